@@ -1,0 +1,105 @@
+"""Join the swarm: a libp2p node plus a Kademlia DHT node, inside the caller's asyncio loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P
+from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2pfusion.dht.records import PeerRecord, model_key
+from p2pfusion.errors import RouteError
+
+log = logging.getLogger(__name__)
+
+RECORD_TTL = 30.0
+JOIN_TIMEOUT = 20.0
+
+
+@dataclass
+class SwarmNode:
+    p2p: P2P
+    dht: DHTNode
+    validator: RSASignatureValidator
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    async def maddrs(self) -> list[str]:
+        return [str(m) for m in await self.p2p.get_visible_maddrs()]
+
+    async def announce(self, record: PeerRecord, ttl: float = RECORD_TTL) -> bool:
+        subkey = record.peer_id.encode() + self.validator.local_public_key
+        return await self.dht.store(
+            model_key(record.model), subkey=subkey, value=record.to_value(), expiration_time=get_dht_time() + ttl
+        )
+
+    async def lookup(self, model: str) -> list[PeerRecord]:
+        """Every valid, unexpired record of the model's peers, in all states."""
+        found = await self.dht.get(model_key(model), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        records = []
+        for entry in found.value.values():
+            record = PeerRecord.from_value(getattr(entry, "value", None))
+            if record is not None and record.model == model:
+                records.append(record)
+        return records
+
+    async def shutdown(self) -> None:
+        await self.dht.shutdown()
+        await self.p2p.shutdown()
+
+
+def _load_identity(identity_path: str | None) -> RSAPrivateKey | None:
+    """The RSA key that signs DHT records; kept beside the libp2p identity so a peer keeps both."""
+    if identity_path is None:
+        return None
+    path = identity_path + ".rsa"
+    try:
+        with open(path, "rb") as f:
+            return RSAPrivateKey.from_bytes(f.read())
+    except FileNotFoundError:
+        key = RSAPrivateKey()
+        with open(path, "wb") as f:
+            f.write(key.to_bytes())
+        return key
+
+
+async def join_swarm(
+    initial_peers: list[str],
+    host: str = "127.0.0.1",
+    port: int = 0,
+    identity_path: str | None = None,
+    client_mode: bool = False,
+) -> SwarmNode:
+    """Start libp2p and the DHT. An empty `initial_peers` starts a new swarm."""
+    p2p_kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=initial_peers)
+    if identity_path is not None:
+        p2p_kwargs["identity_path"] = identity_path
+    try:
+        p2p = await asyncio.wait_for(P2P.create(**p2p_kwargs), JOIN_TIMEOUT)
+    except asyncio.TimeoutError as exc:
+        raise RouteError(f"cannot reach any initial peer within {JOIN_TIMEOUT:.0f} s: {initial_peers}") from exc
+    except Exception as exc:  # the daemon reports bad addresses and dial failures as assorted errors
+        raise RouteError(f"cannot join the swarm through {initial_peers}: {str(exc).splitlines()[0]}") from exc
+    key = _load_identity(identity_path)
+    validator = RSASignatureValidator(key) if key is not None else RSASignatureValidator()
+    try:
+        dht = await DHTNode.create(
+            p2p=p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode
+        )
+    except Exception as exc:
+        await p2p.shutdown()
+        raise RouteError(f"cannot join the DHT through {initial_peers}: {exc}") from exc
+    if initial_peers and not dht.protocol.routing_table.get_nearest_neighbors(dht.node_id, 1, exclude=None):
+        await dht.shutdown()
+        await p2p.shutdown()
+        raise RouteError(f"no initial peer answered: {', '.join(initial_peers)}")
+    return SwarmNode(p2p=p2p, dht=dht, validator=validator)

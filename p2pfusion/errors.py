@@ -1,0 +1,17 @@
+"""Errors that reach users as one clear line (the CLI prints them without a traceback)."""
+
+
+class P2PFusionError(Exception):
+    """Base class for every error a user is meant to read."""
+
+
+class ModelError(P2PFusionError):
+    """The model cannot be found, read, or is of an unsupported architecture."""
+
+
+class RouteError(P2PFusionError):
+    """The swarm cannot serve a request (layers missing, peers unreachable)."""
+
+
+class RequestError(P2PFusionError):
+    """A request is malformed: bad shapes, dtypes, lengths, unknown sessions."""

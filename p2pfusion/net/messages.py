@@ -1,0 +1,118 @@
+"""Typed messages of the inference protocol, and their conversion to and from frame headers.
+
+A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
+1. The client opens an output stream to the last hop (`Subscribe`), which delivers results there.
+2. The client opens the input stream to the first hop with `Open`, naming the remaining route;
+   each hop opens the next hop the same way, so the route is set up peer to peer.
+3. Each `Step` carries hidden states to a hop, which computes and pushes a `Step` to the next hop,
+   or a `Result` to the client's output stream if it is the last.
+4. `Error` travels back upstream to the client; `Close` travels down and frees every KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar
+
+from p2pfusion.errors import RequestError
+
+PROTOCOL = "p2pfusion.inference.v1"
+
+
+@dataclass(frozen=True)
+class Hop:
+    peer_id: str
+    maddrs: list[str]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Subscribe:
+    kind: ClassVar[str] = "subscribe"
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Open:
+    kind: ClassVar[str] = "open"
+    session_id: str
+    max_length: int
+    route: list[Hop] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Ack:
+    kind: ClassVar[str] = "ack"
+
+
+@dataclass(frozen=True)
+class Step:
+    """Hidden states of `tokens` new positions; the tensor travels beside the header."""
+
+    kind: ClassVar[str] = "step"
+    step: int
+
+
+@dataclass(frozen=True)
+class Result:
+    kind: ClassVar[str] = "result"
+    step: int
+
+
+@dataclass(frozen=True)
+class Error:
+    kind: ClassVar[str] = "error"
+    message: str
+    step: int = -1
+
+
+@dataclass(frozen=True)
+class Close:
+    kind: ClassVar[str] = "close"
+
+
+MESSAGES = {cls.kind: cls for cls in (Subscribe, Open, Ack, Step, Result, Error, Close)}
+
+
+def to_header(message: Any) -> dict[str, Any]:
+    return {"kind": message.kind, **asdict(message)}
+
+
+def _typed(value: Any, expected: type, name: str) -> Any:
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise RequestError(f"field {name!r} must be {expected.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _hop(raw: Any) -> Hop:
+    if not isinstance(raw, dict):
+        raise RequestError("route entries must be maps")
+    maddrs = _typed(raw.get("maddrs"), list, "maddrs")
+    return Hop(
+        peer_id=_typed(raw.get("peer_id"), str, "peer_id"),
+        maddrs=[_typed(m, str, "maddrs") for m in maddrs],
+        start=_typed(raw.get("start"), int, "start"),
+        end=_typed(raw.get("end"), int, "end"),
+    )
+
+
+def from_header(header: dict[str, Any]) -> Any:
+    """Validate a decoded header into its message type, or raise RequestError saying why."""
+    cls = MESSAGES.get(header.get("kind"))
+    if cls is None:
+        raise RequestError(f"unknown message kind {header.get('kind')!r}")
+    if cls is Open:
+        route = _typed(header.get("route"), list, "route")
+        return Open(
+            session_id=_typed(header.get("session_id"), str, "session_id"),
+            max_length=_typed(header.get("max_length"), int, "max_length"),
+            route=[_hop(h) for h in route],
+        )
+    if cls is Subscribe:
+        return Subscribe(session_id=_typed(header.get("session_id"), str, "session_id"))
+    if cls in (Step, Result):
+        return cls(step=_typed(header.get("step"), int, "step"))
+    if cls is Error:
+        return Error(message=str(header.get("message")), step=int(header.get("step", -1)))
+    return cls()

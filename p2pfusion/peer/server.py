@@ -1,0 +1,200 @@
+"""Serve one pipeline stage: inference sessions with a KV cache each, pushed on to the next hop.
+
+A bad request fails only its own session (or only its own step, when the stream is still
+readable); every other session on this peer goes on. See p2pfusion.net.messages for the protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from hivemind.p2p import P2P, PeerID
+
+from p2pfusion.errors import RequestError
+from p2pfusion.models.stage import Stage
+from p2pfusion.net import messages as m
+from p2pfusion.net.framing import FrameError, read_frame, write_frame
+
+log = logging.getLogger(__name__)
+
+SUBSCRIBE_WAIT = 10.0
+
+
+@dataclass
+class Session:
+    session_id: str
+    max_length: int
+    cache: object
+    length: int = 0
+    downstream: asyncio.StreamWriter | None = None
+    sink: asyncio.StreamWriter | None = None
+    relay: asyncio.Task | None = field(default=None, repr=False)
+
+
+class StageServer:
+    def __init__(self, stage: Stage, p2p: P2P, max_length: int = 2048):
+        self.stage = stage
+        self.p2p = p2p
+        self.max_length = max_length
+        self.sessions: dict[str, Session] = {}
+        self._sinks: dict[str, asyncio.StreamWriter] = {}
+        self._sink_ready: dict[str, asyncio.Event] = {}
+        # One compute thread: torch already uses every core per op, and steps must not interleave.
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+        self.draining = False
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(m.PROTOCOL, self._handle)
+
+    async def stop(self) -> None:
+        await self.p2p.remove_binary_stream_handler(m.PROTOCOL)
+        self._compute.shutdown(wait=True)
+
+    async def _handle(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            header, _ = await read_frame(reader)
+            message = m.from_header(header)
+            if isinstance(message, m.Subscribe):
+                await self._serve_subscriber(message, reader, writer)
+            elif isinstance(message, m.Open):
+                await self._serve_session(message, reader, writer)
+            else:
+                raise RequestError(f"unknown session: a {message.kind!r} message came before 'open'")
+        except EOFError:
+            pass
+        except RequestError as exc:
+            log.warning("rejected a request: %s", exc)
+            await _send_quietly(writer, m.Error(message=str(exc)))
+        except Exception as exc:  # a bug or a broken connection must cost one request, not the peer
+            log.exception("request failed")
+            await _send_quietly(writer, m.Error(message=f"internal error on peer: {exc}"))
+        finally:
+            writer.close()
+
+    async def _serve_subscriber(self, msg: m.Subscribe, reader, writer) -> None:
+        self._sinks[msg.session_id] = writer
+        self._sink_ready.setdefault(msg.session_id, asyncio.Event()).set()
+        try:
+            await write_frame(writer, m.to_header(m.Ack()))
+            await reader.read()  # the client closes this stream when its session ends
+        finally:
+            self._sinks.pop(msg.session_id, None)
+            self._sink_ready.pop(msg.session_id, None)
+
+    def _check_open(self, msg: m.Open) -> None:
+        if not msg.route:
+            raise RequestError("open: empty route")
+        hop = msg.route[0]
+        if hop.peer_id != self.p2p.peer_id.to_base58():
+            raise RequestError(f"open: route names peer {hop.peer_id}, not this one")
+        if (hop.start, hop.end) != (self.stage.start, self.stage.end):
+            raise RequestError(
+                f"open: this peer serves layers {self.stage.start}:{self.stage.end}, not {hop.start}:{hop.end}"
+            )
+        if not 0 < msg.max_length <= self.max_length:
+            raise RequestError(f"open: max_length must be in 1..{self.max_length}, got {msg.max_length}")
+        if msg.session_id in self.sessions:
+            raise RequestError(f"open: session {msg.session_id} already exists")
+        if self.draining:
+            raise RequestError("open: this peer is leaving the swarm")
+
+    async def _serve_session(self, msg: m.Open, reader, writer) -> None:
+        self._check_open(msg)
+        session = Session(msg.session_id, msg.max_length, self.stage.new_cache())
+        self.sessions[msg.session_id] = session
+        try:
+            await self._connect_onward(session, msg, writer)
+            await write_frame(writer, m.to_header(m.Ack()))
+            await self._run_steps(session, reader, writer)
+        finally:
+            self.sessions.pop(msg.session_id, None)
+            if session.relay is not None:
+                session.relay.cancel()
+            if session.downstream is not None:
+                await _send_quietly(session.downstream, m.Close())
+                session.downstream.close()
+
+    async def _connect_onward(self, session: Session, msg: m.Open, upstream) -> None:
+        if len(msg.route) == 1:
+            ready = self._sink_ready.setdefault(msg.session_id, asyncio.Event())
+            try:
+                await asyncio.wait_for(ready.wait(), SUBSCRIBE_WAIT)
+            except asyncio.TimeoutError:
+                raise RequestError("open: the client opened no output stream to the last hop") from None
+            session.sink = self._sinks[msg.session_id]
+            return
+        nxt = msg.route[1]
+        try:
+            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(nxt.peer_id), m.PROTOCOL)
+            await write_frame(writer, m.to_header(m.Open(msg.session_id, msg.max_length, msg.route[1:])))
+            header, _ = await read_frame(reader)
+        except Exception as exc:
+            raise RequestError(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}") from exc
+        reply = m.from_header(header)
+        if isinstance(reply, m.Error):
+            raise RequestError(reply.message)
+        session.downstream = writer
+        session.relay = asyncio.create_task(_relay_errors(reader, upstream))
+
+    async def _run_steps(self, session: Session, reader, writer) -> None:
+        while True:
+            try:
+                header, tensor = await read_frame(reader)
+            except EOFError:
+                return
+            message = m.from_header(header)
+            if isinstance(message, m.Close):
+                return
+            if not isinstance(message, m.Step):
+                raise RequestError(f"unexpected {message.kind!r} message inside a session")
+            try:
+                hidden = self._check_hidden(session, tensor)
+                out = await asyncio.get_running_loop().run_in_executor(
+                    self._compute, self.stage.forward, hidden, session.length, session.cache
+                )
+            except RequestError as exc:
+                await write_frame(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
+                continue
+            session.length += hidden.shape[1]
+            if session.downstream is not None:
+                await write_frame(session.downstream, m.to_header(m.Step(step=message.step)), out)
+            else:
+                await write_frame(session.sink, m.to_header(m.Result(step=message.step)), out)
+
+    def _check_hidden(self, session: Session, tensor: torch.Tensor | None) -> torch.Tensor:
+        if tensor is None:
+            raise RequestError("step carries no hidden states")
+        if tensor.dtype != self.stage.dtype:
+            raise RequestError(f"hidden states must be {self.stage.dtype}, got {tensor.dtype}")
+        if tensor.dim() != 3 or tensor.shape[0] < 1 or tensor.shape[1] < 1 or tensor.shape[2] != self.stage.hidden_size:
+            raise RequestError(
+                f"hidden states must have shape [batch, tokens, {self.stage.hidden_size}], got {list(tensor.shape)}"
+            )
+        if session.length + tensor.shape[1] > session.max_length:
+            raise RequestError(
+                f"session length {session.length + tensor.shape[1]} exceeds its max_length {session.max_length}"
+            )
+        if not torch.isfinite(tensor).all():
+            raise RequestError("hidden states contain NaN or infinity")
+        return tensor
+
+
+async def _relay_errors(downstream_reader, upstream_writer) -> None:
+    """Pass errors from later hops back toward the client; results go straight to the client."""
+    try:
+        while True:
+            header, _ = await read_frame(downstream_reader)
+            await write_frame(upstream_writer, header)
+    except (EOFError, FrameError, ConnectionError):
+        await _send_quietly(upstream_writer, m.Error(message="the next hop closed the session"))
+
+
+async def _send_quietly(writer: asyncio.StreamWriter, message) -> None:
+    try:
+        await write_frame(writer, m.to_header(message))
+    except (ConnectionError, RuntimeError):
+        pass
