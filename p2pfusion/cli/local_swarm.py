@@ -1,0 +1,87 @@
+"""Start a swarm of real peer processes on 127.0.0.1 (the demo, tests and benchmarks use it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2pfusion.errors import RouteError
+
+START_TIMEOUT = 120.0
+
+
+def even_ranges(num_layers: int, peers: int) -> list[tuple[int, int]]:
+    bounds = [round(i * num_layers / peers) for i in range(peers + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+@dataclass
+class LocalSwarm:
+    model: str | None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="p2pfusion-")))
+    processes: list[subprocess.Popen] = field(default_factory=list)
+    maddrs: list[str] = field(default_factory=list)
+
+    def launch(self, layers: tuple[int, int] | None, extra: list[str] | None = None) -> subprocess.Popen:
+        """Start one peer process; the first one starts the swarm."""
+        index = len(self.processes)
+        cmd = [sys.executable, "-m", "p2pfusion.cli.main", "run-peer"]
+        if self.model is not None:
+            cmd += ["--model", self.model]
+        cmd += ["--new-swarm"] if not self.maddrs else ["--initial-peers", *self.maddrs]
+        if layers is not None:
+            cmd += ["--layers", f"{layers[0]}:{layers[1]}"]
+        address_file = self.workdir / f"peer{index}.addr"
+        cmd += ["--address-file", str(address_file), *(extra or [])]
+        log = open(self.workdir / f"peer{index}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.processes.append(proc)
+        proc.address_file = address_file  # type: ignore[attr-defined]
+        return proc
+
+    def wait_ready(self, proc: subprocess.Popen, timeout: float = START_TIMEOUT) -> list[str]:
+        deadline = time.monotonic() + timeout
+        address_file: Path = proc.address_file  # type: ignore[attr-defined]
+        while not address_file.exists():
+            if proc.poll() is not None:
+                log = (self.workdir / f"peer{self.processes.index(proc)}.log").read_text()
+                raise RouteError(f"a local peer exited with code {proc.returncode}: {log.strip().splitlines()[-1:]}")
+            if time.monotonic() > deadline:
+                raise RouteError(f"a local peer did not start within {timeout:.0f} s")
+            time.sleep(0.1)
+        maddrs = address_file.read_text().split()
+        if not self.maddrs:
+            self.maddrs = maddrs
+        return maddrs
+
+    def start(self, ranges: list[tuple[int, int]]) -> "LocalSwarm":
+        """The first peer starts the swarm; the others join it in parallel."""
+        first = self.launch(ranges[0])
+        self.wait_ready(first)
+        rest = [self.launch(r) for r in ranges[1:]]
+        for proc in rest:
+            self.wait_ready(proc)
+        return self
+
+    def stop(self, timeout: float = 15.0) -> None:
+        for proc in self.processes:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.processes:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

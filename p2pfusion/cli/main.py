@@ -1,0 +1,110 @@
+"""The `p2pfusion` command: run-peer, infer, demo. Logs go to stderr; results go to stdout."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from pathlib import Path
+
+from p2pfusion.errors import P2PFusionError
+
+
+def layer_range(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:END, got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"layer range {text} is empty or negative")
+    return start, end
+
+
+def _device(args) -> str:
+    if args.gpu is not None:
+        return f"cuda:{args.gpu}"
+    return args.device
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2pfusion", description="Serve and use LLMs over a peer-to-peer swarm.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    peer = sub.add_parser("run-peer", help="serve a range of a model's layers")
+    peer.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    joining = peer.add_mutually_exclusive_group(required=True)
+    joining.add_argument("--new-swarm", action="store_true", help="start a new swarm with this peer")
+    joining.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of peers to join")
+    peer.add_argument("--layers", type=layer_range, metavar="START:END", help="layers to serve")
+    peer.add_argument("--max-layers", type=int, help="serve at most this many layers when --layers is not given")
+    where = peer.add_mutually_exclusive_group()
+    where.add_argument("--gpu", type=int, metavar="N", help="serve on CUDA device N")
+    where.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
+    peer.add_argument("--host", default="127.0.0.1", help="IP address to listen on")
+    peer.add_argument("--port", type=int, default=0, help="TCP port (0 picks a free one)")
+    peer.add_argument("--identity", help="file holding this peer's key (created if missing)")
+    peer.add_argument("--address-file", type=Path, help="write this peer's multiaddrs here once serving")
+    peer.add_argument("--max-length", type=int, default=2048, help="longest session accepted, in tokens")
+
+    infer = sub.add_parser("infer", help="private inference through the swarm")
+    infer.add_argument("prompt")
+    infer.add_argument("--model")
+    infer.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    infer.add_argument("--max-new-tokens", type=int, default=64)
+    infer.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    infer.add_argument("--seed", type=int)
+    infer.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    demo = sub.add_parser("demo", help="a local 3-peer swarm of the default model and one private inference")
+    demo.add_argument("--prompt", default="What is the capital of France?")
+    demo.add_argument("--max-new-tokens", type=int, default=48)
+    demo.add_argument("--peers", type=int, default=3)
+    return parser
+
+
+def _configure_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    for noisy in ("hivemind", "transformers", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _run(coro) -> None:
+    import uvloop
+
+    uvloop.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        if args.command == "run-peer":
+            from p2pfusion.cli.commands import run_peer
+
+            _run(run_peer(args, _device(args)))
+        elif args.command == "infer":
+            from p2pfusion.cli.commands import infer
+
+            _run(infer(args))
+        else:
+            from p2pfusion.cli.demo import demo
+
+            demo(args)
+    except P2PFusionError as exc:
+        print(f"p2pfusion: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

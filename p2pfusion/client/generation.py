@@ -1,0 +1,108 @@
+"""Private inference: tokenizer, embeddings, final norm, LM head and sampling stay on the client."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoTokenizer
+
+from p2pfusion.client.routing import find_route
+from p2pfusion.client.session import InferenceSession
+from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.errors import ModelError, RequestError
+from p2pfusion.models.source import ModelSource
+from p2pfusion.models.stage import load_config, load_head
+
+
+@dataclass
+class Generated:
+    token_ids: list[int]
+    text: str
+    prefill_seconds: float
+    decode_seconds: float
+
+
+def choose_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    """Temperature 0 is greedy; otherwise sample from the softened distribution."""
+    if temperature <= 0:
+        return int(logits.argmax(-1))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class RemoteCausalLM:
+    """A causal LM whose decoder layers run in the swarm."""
+
+    def __init__(self, source: ModelSource, swarm: SwarmNode, dtype: torch.dtype = torch.float32):
+        self.source = source
+        self.swarm = swarm
+        self.config = load_config(source)
+        self.head = load_head(source, dtype)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(source.folder)
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"cannot load the tokenizer of {source.name}: {exc}") from exc
+        self.dtype = dtype
+
+    def max_length(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 2048))
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        if not prompt.strip():
+            raise RequestError("the prompt is empty")
+        if chat:
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+            ))
+        return list(self.tokenizer(prompt)["input_ids"])
+
+    async def open_session(self, max_length: int) -> InferenceSession:
+        records = await self.swarm.lookup(self.source.name)
+        route = find_route(records, self.config.num_hidden_layers)
+        return await InferenceSession(self.swarm.p2p, route, max_length).open()
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(inputs_embeds=hidden).logits
+
+    @torch.inference_mode()
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        return self.head.get_input_embeddings()(torch.tensor([ids])).to(self.dtype)
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> Generated:
+        limit = self.max_length()
+        if len(input_ids) >= limit:
+            raise RequestError(f"the prompt is {len(input_ids)} tokens, longer than the maximum length {limit - 1}")
+        total = min(len(input_ids) + max_new_tokens, limit)
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        eos = self.config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        session = await self.open_session(total)
+        new: list[int] = []
+        try:
+            t0 = time.perf_counter()
+            hidden = await session.step(self.embed(input_ids))
+            t1 = time.perf_counter()
+            while True:
+                token = choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator)
+                new.append(token)
+                if on_token is not None:
+                    on_token(token)
+                if token in eos_ids or len(input_ids) + len(new) >= total:
+                    break
+                hidden = await session.step(self.embed([token]))
+            t2 = time.perf_counter()
+        finally:
+            await session.close()
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return Generated(new, text, prefill_seconds=t1 - t0, decode_seconds=t2 - t1)
