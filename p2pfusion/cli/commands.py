@@ -49,11 +49,12 @@ async def run_peer(args, device: str) -> None:
 async def infer(args) -> None:
     if args.max_new_tokens < 1:
         raise RequestError("--max-new-tokens must be at least 1")
-    source = resolve_model(args.model)
-    swarm = await join_swarm(args.initial_peers, client_mode=True)
+    if not args.prompt.strip():
+        raise RequestError("the prompt is empty")
+    model = RemoteCausalLM(resolve_model(args.model))
+    ids = model.encode(args.prompt, args.chat)
+    model.swarm = swarm = await join_swarm(args.initial_peers, client_mode=True)
     try:
-        model = RemoteCausalLM(source, swarm)
-        ids = model.encode(args.prompt, args.chat)
         decoder = _StreamingDecoder(model.tokenizer)
         result = await model.generate(ids, args.max_new_tokens, args.temperature, args.seed, decoder.push)
         decoder.finish()

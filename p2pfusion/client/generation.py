@@ -36,23 +36,42 @@ def choose_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
 class RemoteCausalLM:
     """A causal LM whose decoder layers run in the swarm."""
 
-    def __init__(self, source: ModelSource, swarm: SwarmNode, dtype: torch.dtype = torch.float32):
+    def __init__(self, source: ModelSource, swarm: SwarmNode | None = None, dtype: torch.dtype = torch.float32):
         self.source = source
         self.swarm = swarm
         self.config = load_config(source)
         self.head = load_head(source, dtype)
-        try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source.folder)
-        except (OSError, ValueError) as exc:
-            raise ModelError(f"cannot load the tokenizer of {source.name}: {exc}") from exc
         self.dtype = dtype
+        self._tokenizer = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.source.folder)
+            except (OSError, ValueError) as exc:
+                raise ModelError(f"cannot load the tokenizer of {self.source.name}: {exc}") from exc
+        return self._tokenizer
 
     def max_length(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
+    def check_prompt(self, input_ids: list[int]) -> None:
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        limit = self.max_length()
+        if len(input_ids) >= limit:
+            raise RequestError(f"the prompt is {len(input_ids)} tokens, longer than the maximum length {limit - 1}")
+
     def encode(self, prompt: str, chat: bool) -> list[int]:
+        """Tokenize and validate a prompt (before any network traffic, so bad input fails fast)."""
         if not prompt.strip():
             raise RequestError("the prompt is empty")
+        ids = self._tokenize(prompt, chat)
+        self.check_prompt(ids)
+        return ids
+
+    def _tokenize(self, prompt: str, chat: bool) -> list[int]:
         if chat:
             return list(self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
@@ -60,6 +79,8 @@ class RemoteCausalLM:
         return list(self.tokenizer(prompt)["input_ids"])
 
     async def open_session(self, max_length: int) -> InferenceSession:
+        if self.swarm is None:
+            raise RequestError("this model is not attached to a swarm")
         records = await self.swarm.lookup(self.source.name)
         route = find_route(records, self.config.num_hidden_layers)
         return await InferenceSession(self.swarm.p2p, route, max_length).open()
@@ -80,10 +101,8 @@ class RemoteCausalLM:
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> Generated:
-        limit = self.max_length()
-        if len(input_ids) >= limit:
-            raise RequestError(f"the prompt is {len(input_ids)} tokens, longer than the maximum length {limit - 1}")
-        total = min(len(input_ids) + max_new_tokens, limit)
+        self.check_prompt(input_ids)
+        total = min(len(input_ids) + max_new_tokens, self.max_length())
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = self.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])

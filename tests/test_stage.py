@@ -1,0 +1,52 @@
+"""A stage computes exactly what the same layers compute inside transformers' own model."""
+
+import pytest
+import torch
+
+from p2pfusion.models.stage import load_head, load_stage
+from tests.conftest import TINY_CONFIGS, reference_model
+
+IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1, 64, 128]])
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_stage_equals_layers_of_local_model(tiny_models, family):
+    source = tiny_models[family]
+    ref = reference_model(source)
+    with torch.no_grad():
+        states = ref(IDS, output_hidden_states=True).hidden_states
+    stage = load_stage(source, 1, 3)
+    # hidden_states[i] is the input of layer i (before the final norm for i < num_layers)
+    torch.testing.assert_close(stage.forward(states[1], 0), states[3], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
+def test_head_and_stages_give_local_logits_with_cache(tiny_models, family):
+    source = tiny_models[family]
+    ref = reference_model(source)
+    head = load_head(source)
+    stages = [load_stage(source, 0, 1), load_stage(source, 1, 4)]
+    caches = [s.new_cache() for s in stages]
+    with torch.no_grad():
+        for position, chunk in ((0, IDS[:, :7]), (7, IDS[:, 7:8]), (8, IDS[:, 8:])):
+            hidden = head.get_input_embeddings()(chunk)
+            for stage, cache in zip(stages, caches):
+                hidden = stage.forward(hidden, position, cache)
+            expected = ref(IDS[:, : position + chunk.shape[1]]).logits[:, position:]
+            torch.testing.assert_close(head(inputs_embeds=hidden).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_peer_holds_only_its_layers(default_model):
+    ref = reference_model(default_model)
+    full = sum(p.numel() * p.element_size() for p in ref.parameters())
+    stage = load_stage(default_model, 10, 20)
+    assert stage.parameter_bytes() <= 0.45 * full
+    assert len(stage.module.layers) == 10
+
+
+def test_out_of_bounds_range_is_rejected(tiny_models):
+    from p2pfusion.errors import ModelError
+
+    with pytest.raises(ModelError, match="out of bounds"):
+        load_stage(tiny_models["llama"], 2, 9)
