@@ -22,6 +22,20 @@ def layer_range(text: str) -> tuple[int, int]:
     return start, end
 
 
+def maddr_list(text: str) -> list[str]:
+    maddrs = [m.strip() for m in text.split(",") if m.strip()]
+    for maddr in maddrs:
+        if not maddr.startswith("/") or "/p2p/" not in maddr:
+            raise argparse.ArgumentTypeError(f"not a peer multiaddr (/ip4/HOST/tcp/PORT/p2p/PEER_ID): {maddr!r}")
+    return maddrs
+
+
+# One address per flag (repeatable, or comma-separated), so a trailing prompt is never taken for one.
+INITIAL_PEERS = dict(
+    type=maddr_list, action="extend", metavar="MADDR", help="multiaddr of a swarm peer (repeat for more)"
+)
+
+
 def _device(args) -> str:
     if args.gpu is not None:
         return f"cuda:{args.gpu}"
@@ -37,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
     joining = peer.add_mutually_exclusive_group(required=True)
     joining.add_argument("--new-swarm", action="store_true", help="start a new swarm with this peer")
-    joining.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="multiaddrs of peers to join")
+    joining.add_argument("--initial-peers", **INITIAL_PEERS)
     peer.add_argument("--layers", type=layer_range, metavar="START:END", help="layers to serve")
     peer.add_argument("--max-layers", type=int, help="serve at most this many layers when --layers is not given")
     where = peer.add_mutually_exclusive_group()
@@ -52,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer = sub.add_parser("infer", help="private inference through the swarm")
     infer.add_argument("prompt")
     infer.add_argument("--model")
-    infer.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR")
+    infer.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
     infer.add_argument("--max-new-tokens", type=int, default=64)
     infer.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     infer.add_argument("--seed", type=int)

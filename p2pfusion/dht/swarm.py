@@ -88,6 +88,8 @@ async def join_swarm(
     except asyncio.TimeoutError as exc:
         raise RouteError(f"cannot reach any initial peer within {JOIN_TIMEOUT:.0f} s: {initial_peers}") from exc
     except Exception as exc:  # the daemon reports bad addresses and dial failures as assorted errors
+        if "bootstrap" in str(exc):
+            raise RouteError(f"no initial peer is reachable: {', '.join(initial_peers)}") from exc
         raise RouteError(f"cannot join the swarm through {initial_peers}: {str(exc).splitlines()[0]}") from exc
     key = _load_identity(identity_path)
     validator = RSASignatureValidator(key) if key is not None else RSASignatureValidator()

@@ -1,0 +1,82 @@
+"""Bad input on the command line ends with one clear error line and a non-zero exit, no traceback."""
+
+import asyncio
+import json
+import sys
+
+import pytest
+import uvloop
+
+from tests.swarm import running_peers
+
+CLI = [sys.executable, "-m", "p2pfusion.cli.main"]
+DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWJNSFBr4gPnCYC2XSNsR4vbs2ugsCsTHmE2CeghrcATvX"
+
+
+async def _run(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(
+        *CLI, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    _, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode, err.decode()
+
+
+def assert_one_line_error(result: tuple[int, str], *needles: str) -> None:
+    code, stderr = result
+    assert code != 0
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert "error:" in last, stderr
+    for needle in needles:
+        assert needle in last, last
+
+
+def run(*args: str) -> tuple[int, str]:
+    return uvloop.run(_run(*args))
+
+
+def test_missing_model_path():
+    assert_one_line_error(run("run-peer", "--model", "/no/such/model", "--new-swarm"), "model not found")
+
+
+def test_unreadable_gguf(tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert_one_line_error(run("run-peer", "--model", str(bad), "--new-swarm"), "cannot read GGUF")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert_one_line_error(run("run-peer", "--model", str(tmp_path), "--new-swarm"), "unsupported architecture")
+
+
+def test_layer_range_out_of_bounds(tiny_models):
+    folder = str(tiny_models["llama"].folder)
+    assert_one_line_error(run("run-peer", "--model", folder, "--new-swarm", "--layers", "2:9"), "out of bounds")
+    assert_one_line_error(run("run-peer", "--model", folder, "--new-swarm", "--layers", "3:1"), "empty")
+
+
+def test_bad_initial_peer_address():
+    assert_one_line_error(run("infer", "--initial-peers", "nonsense", "hi"), "not a peer multiaddr")
+
+
+@pytest.mark.slow
+def test_unreachable_initial_peer():
+    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "hi"), "no initial peer is reachable")
+
+
+@pytest.mark.slow
+def test_empty_and_too_long_prompts():
+    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "   "), "prompt is empty")
+    long_prompt = "word " * 9000
+    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, long_prompt), "longer than the maximum length")
+
+
+async def _infer_with_gap(source):
+    async with running_peers(source, [(0, 10)]) as (_, maddrs):
+        return await _run("infer", "--initial-peers", maddrs[0], "hello")
+
+
+@pytest.mark.slow
+def test_swarm_missing_layers_are_named(default_model):
+    assert_one_line_error(uvloop.run(_infer_with_gap(default_model)), "no peer serves layers 10:30")

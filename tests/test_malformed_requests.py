@@ -1,0 +1,91 @@
+"""A real peer answers bad requests with an error to that caller and keeps serving everyone else."""
+
+import struct
+
+import torch
+import uvloop
+from hivemind.p2p import PeerID
+
+from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.net import messages as m
+from p2pfusion.net.framing import read_frame, write_frame
+from tests.conftest import reference_model
+from tests.swarm import running_peers
+
+IDS = [3, 17, 42, 99]
+
+
+async def _raw_stream(client, peer):
+    _, reader, writer = await client.p2p.call_binary_stream_handler(PeerID.from_base58(peer.swarm.peer_id), m.PROTOCOL)
+    return reader, writer
+
+
+async def _error_of(reader) -> str:
+    header, _ = await read_frame(reader)
+    assert header["kind"] == "error", header
+    return header["message"]
+
+
+async def _scenario(source):
+    errors = {}
+    async with running_peers(source, [(0, 4)]) as ([peer], maddrs):
+        client = await join_swarm(maddrs, client_mode=True)
+        model = RemoteCausalLM(source, client)
+        good = await model.open_session(32)  # a well-behaved session that lives through all of this
+        first = await good.step(model.embed(IDS[:2]))
+
+        reader, writer = await _raw_stream(client, peer)
+        writer.write(b"\x00\x00\x00\x05" + b"\x00" * 8 + b"garbage")
+        await writer.drain()
+        errors["garbage"] = await _error_of(reader)
+
+        reader, writer = await _raw_stream(client, peer)
+        writer.write(struct.pack("!IQ", 1 << 30, 0))
+        await writer.drain()
+        errors["huge"] = await _error_of(reader)
+
+        reader, writer = await _raw_stream(client, peer)
+        await write_frame(writer, m.to_header(m.Step(step=1)), torch.zeros(1, 1, 64))
+        errors["unknown_session"] = await _error_of(reader)
+
+        bad = await model.open_session(8)
+        for name, tensor in {
+            "dtype": torch.zeros(1, 1, 64, dtype=torch.float16),
+            "shape": torch.zeros(1, 1, 63),
+            "rank": torch.zeros(64),
+            "nan": torch.full((1, 1, 64), float("nan")),
+            "too_long": torch.zeros(1, 9, 64),
+        }.items():
+            await write_frame(bad._head, m.to_header(m.Step(step=99)), tensor)
+            header, _ = await bad._inbox.get()
+            errors[name] = header["message"]
+        # the same session still works after its bad steps
+        recovered = await bad.step(model.embed(IDS))
+        await bad.close()
+
+        second = await good.step(model.embed(IDS[2:]))
+        await good.close()
+        after = await model.open_session(8)
+        fresh = await after.step(model.embed(IDS))
+        await after.close()
+        await client.shutdown()
+    return errors, torch.cat([first, second], 1), recovered, fresh
+
+
+def test_peer_survives_malformed_requests(tiny_models):
+    source = tiny_models["llama"]
+    errors, good, recovered, fresh = uvloop.run(_scenario(source))
+    assert "undecodable" in errors["garbage"] or "frame" in errors["garbage"]
+    assert "too large" in errors["huge"]
+    assert "unknown session" in errors["unknown_session"]
+    assert "must be torch.float32" in errors["dtype"]
+    assert "shape" in errors["shape"] and "shape" in errors["rank"]
+    assert "NaN" in errors["nan"]
+    assert "max_length" in errors["too_long"]
+    ref = reference_model(source)
+    with torch.no_grad():
+        expected = ref(torch.tensor([IDS]), output_hidden_states=True).hidden_states[-1]
+    head_norm = RemoteCausalLM(source).head.model.norm
+    for out in (good, recovered, fresh):
+        torch.testing.assert_close(head_norm(out), expected, atol=1e-5, rtol=0)
