@@ -28,7 +28,10 @@ def format_ranges(ranges: list[tuple[int, int]]) -> str:
 
 
 def find_route(records: list[PeerRecord], num_layers: int) -> list[PeerRecord]:
-    """Fewest hops first (each hop reaches as far as it can), then the highest throughput.
+    """Fewest hops first (each hop costs a network round), then the least compute time.
+
+    A token's time through a route is the sum of its hops' times, so among routes with as many
+    hops the one with the smallest sum of 1/throughput wins.
 
     A route is a list of peers whose ranges chain from layer 0 to num_layers. A peer may only
     start a hop at the exact layer where the previous hop ended, since its cache holds its
@@ -38,14 +41,14 @@ def find_route(records: list[PeerRecord], num_layers: int) -> list[PeerRecord]:
     if gaps:
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model")
     online = [r for r in records if r.state == PeerState.ONLINE and r.end <= num_layers]
-    # best[layer] = (hops, -min throughput, route) of the best route from `layer` to the end
-    best: dict[int, tuple[int, float, list[PeerRecord]]] = {num_layers: (0, float("-inf"), [])}
+    # best[layer] = (hops, seconds per token, route) of the best route from `layer` to the end
+    best: dict[int, tuple[int, float, list[PeerRecord]]] = {num_layers: (0, 0.0, [])}
     for layer in range(num_layers - 1, -1, -1):
         for r in online:
             if r.start != layer or r.end not in best:
                 continue
-            hops, neg_tp, rest = best[r.end]
-            candidate = (hops + 1, max(neg_tp, -r.throughput), [r] + rest)
+            hops, seconds, rest = best[r.end]
+            candidate = (hops + 1, seconds + 1.0 / max(r.throughput, 1e-9), [r] + rest)
             if layer not in best or candidate[:2] < best[layer][:2]:
                 best[layer] = candidate
     if 0 not in best:

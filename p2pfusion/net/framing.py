@@ -41,7 +41,8 @@ def encode(header: dict[str, Any], tensor: torch.Tensor | None = None) -> list[b
         header = {**header, "tensor": [DTYPE_NAMES[tensor.dtype], list(tensor.shape)]}
         # bfloat16 has no numpy dtype, so view its bytes as int16 (same width) to share the buffer.
         as_numpy = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-        body = memoryview(as_numpy.numpy()).cast("B")
+        if tensor.numel():
+            body = memoryview(as_numpy.numpy().reshape(-1)).cast("B")
     packed = msgpack.packb(header, use_bin_type=True)
     return [PREFIX.pack(len(packed), len(body)), packed, body]
 
