@@ -98,6 +98,10 @@ def _run(coro) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "run-peer":
+        # A stage idles while other stages compute, often on the same cores; spinning OpenMP
+        # threads would steal their time. Set before torch starts its thread pool.
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     _configure_logging(args.verbose)
     try:
         if args.command == "run-peer":
