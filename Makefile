@@ -25,5 +25,8 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
+lint-docker: setup
+	$(VENV)/bin/hadolint docker/Dockerfile
+
 bench: setup
 	$(PY) scripts/bench_inference.py
