@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import copy
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from tqdm import tqdm
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, PretrainedConfig
 
 from transformers.initialization import no_init_weights
@@ -107,10 +109,10 @@ def _read_weights(folder: Path, rename) -> dict[str, torch.Tensor]:
     weights = {}
     for path in _weight_files(folder):
         with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                new_key = rename(key)
-                if new_key is not None:
-                    weights[new_key] = f.get_tensor(key)
+            wanted = [(key, rename(key)) for key in f.keys()]
+            wanted = [(key, new_key) for key, new_key in wanted if new_key is not None]
+            for key, new_key in tqdm(wanted, desc=f"loading {path.name}", unit="tensor", leave=False, file=sys.stderr):
+                weights[new_key] = f.get_tensor(key)
     return weights
 
 
