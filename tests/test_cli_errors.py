@@ -80,3 +80,12 @@ async def _infer_with_gap(source):
 @pytest.mark.slow
 def test_swarm_missing_layers_are_named(default_model):
     assert_one_line_error(uvloop.run(_infer_with_gap(default_model)), "no peer serves layers 10:30")
+
+
+def test_unavailable_gpu(tiny_models):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    folder = str(tiny_models["llama"].folder)
+    assert_one_line_error(run("run-peer", "--model", folder, "--new-swarm", "--gpu", "0"), "not available")

@@ -23,8 +23,7 @@ async def run_peer(args, device: str) -> None:
             f"layer range {args.layers[0]}:{args.layers[1]} is out of bounds for {source.name} "
             f"(0:{config.num_hidden_layers})"
         )
-    if device != "cpu":
-        raise ModelError(f"device {device} is not supported yet; serve with --device cpu")
+    _check_device(device)
     options = PeerOptions(
         source=source,
         initial_peers=[] if args.new_swarm else args.initial_peers,
@@ -44,6 +43,17 @@ async def run_peer(args, device: str) -> None:
             print(maddr, flush=True)
 
     await serve(options, on_ready=ready)
+
+
+def _check_device(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise ModelError(f"{device} is not available on this machine (CUDA devices: {torch.cuda.device_count()})")
+    elif device == "mps" and not torch.backends.mps.is_available():
+        raise ModelError("mps is not available on this machine")
 
 
 async def infer(args) -> None:

@@ -71,6 +71,7 @@ class Stage:
     module: nn.Module
     dtype: torch.dtype
     hidden_size: int
+    device: torch.device = torch.device("cpu")
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.module.config)
@@ -80,14 +81,14 @@ class Stage:
         self, hidden: torch.Tensor, position: int, cache: DynamicCache | None = None
     ) -> torch.Tensor:
         """Run hidden states [batch, tokens, hidden] whose first token sits at `position`."""
-        positions = torch.arange(position, position + hidden.shape[1]).unsqueeze(0)
+        positions = torch.arange(position, position + hidden.shape[1], device=self.device).unsqueeze(0)
         out = self.module(
-            inputs_embeds=hidden,
+            inputs_embeds=hidden.to(self.device),
             position_ids=positions,
             past_key_values=cache,
             use_cache=cache is not None,
         )
-        return out.last_hidden_state
+        return out.last_hidden_state.cpu()
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
@@ -126,7 +127,9 @@ def _materialize(module: nn.Module, weights: dict[str, torch.Tensor], dtype: tor
     module.requires_grad_(False)
 
 
-def load_stage(source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32) -> Stage:
+def load_stage(
+    source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> Stage:
     config = load_config(source)
     total = config.num_hidden_layers
     if not 0 <= start < end <= total:
@@ -146,7 +149,8 @@ def load_stage(source: ModelSource, start: int, end: int, dtype: torch.dtype = t
         return None
 
     _materialize(module, _read_weights(source.folder, rename), dtype, f"layers {start}:{end}")
-    return Stage(start=start, end=end, module=module, dtype=dtype, hidden_size=config.hidden_size)
+    module.to(device)
+    return Stage(start, end, module, dtype, config.hidden_size, torch.device(device))
 
 
 def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:

@@ -65,7 +65,7 @@ class Peer:
         self.record = await self._record(start, end, PeerState.JOINING)
         await self.swarm.announce(self.record)
         log.info("loading layers %d:%d of %s", start, end, self.options.source.name)
-        stage = await asyncio.to_thread(load_stage, self.options.source, start, end, torch.float32)
+        stage = await asyncio.to_thread(load_stage, self.options.source, start, end, torch.float32, self.options.device)
         self.server = StageServer(stage, self.swarm.p2p, self.options.max_length)
         await self.server.start()
         self.record = await self._record(start, end, PeerState.ONLINE)
