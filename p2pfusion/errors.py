@@ -15,3 +15,11 @@ class RouteError(P2PFusionError):
 
 class RequestError(P2PFusionError):
     """A request is malformed: bad shapes, dtypes, lengths, unknown sessions."""
+
+
+class PeerFailed(RouteError):
+    """A peer of the route stopped answering; the client can route around it (peer_id None: unknown which)."""
+
+    def __init__(self, message: str, peer_id: str | None):
+        super().__init__(message)
+        self.peer_id = peer_id

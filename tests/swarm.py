@@ -9,21 +9,31 @@ from p2pfusion.models.source import ModelSource
 from p2pfusion.peer.runtime import Peer, PeerOptions
 
 
+async def start_peer(source: ModelSource, initial: list[str], layers=None, **options) -> Peer:
+    """A started peer; `throughput` defaults to a fixed figure so tests do not depend on the machine."""
+    options.setdefault("throughput", "100")
+    swarm = await join_swarm(initial)
+    peer = Peer(PeerOptions(source=source, initial_peers=initial, layers=layers, **options), swarm)
+    await peer.start()
+    return peer
+
+
+async def stop_peer(peer: Peer) -> None:
+    await peer.leave()
+    await peer.swarm.shutdown()
+
+
 @asynccontextmanager
-async def running_peers(source: ModelSource, ranges: list[tuple[int, int]]):
+async def running_peers(source: ModelSource, ranges: list[tuple[int, int]], **options):
     """Start one peer per range (the first starts the swarm); yield (peers, bootstrap maddrs)."""
     peers: list[Peer] = []
     initial: list[str] = []
     try:
         for layers in ranges:
-            swarm = await join_swarm(initial)
-            peer = Peer(PeerOptions(source=source, initial_peers=initial, layers=layers), swarm)
-            peers.append(peer)
-            await peer.start()
+            peers.append(await start_peer(source, initial, layers, **options))
             if not initial:
-                initial = await swarm.maddrs()
+                initial = await peers[0].swarm.maddrs()
         yield peers, initial
     finally:
         for peer in peers:
-            await peer.leave()
-            await peer.swarm.shutdown()
+            await stop_peer(peer)

@@ -57,8 +57,8 @@ async def _scenario(source):
             "nan": torch.full((1, 1, 64), float("nan")),
             "too_long": torch.zeros(1, 9, 64),
         }.items():
-            await write_frame(bad._head, m.to_header(m.Step(step=99)), tensor)
-            header, _ = await bad._inbox.get()
+            await write_frame(bad.session._head, m.to_header(m.Step(step=99)), tensor)
+            header, _ = await bad.session._inbox.get()
             errors[name] = header["message"]
         # the same session still works after its bad steps
         recovered = await bad.step(model.embed(IDS))

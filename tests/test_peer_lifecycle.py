@@ -22,7 +22,7 @@ def test_layer_claim_and_sigterm_announce_offline(tiny_models):
     with LocalSwarm(model=str(source.folder)) as swarm:
         swarm.start([(0, 2)])
         # without --layers, the joining peer takes the layers nobody serves
-        second = swarm.launch(None)
+        second = swarm.launch(None, ["--max-layers", "2"])
         swarm.wait_ready(second)
         assert uvloop.run(_states(swarm.maddrs, source.name)) == {(0, 2): PeerState.ONLINE, (2, 4): PeerState.ONLINE}
         second.send_signal(signal.SIGTERM)

@@ -1,17 +1,14 @@
-"""Pure policies, without a network: routing, layer claiming, DHT record parsing."""
+"""Pure policies, without a network: routing, client health, DHT record parsing."""
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pfusion.client.routing import find_route, missing_layers
+from p2pfusion.client.health import BAN_MAX, PeerHealth
+from p2pfusion.client.routing import find_route
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RouteError
-from p2pfusion.peer.claim import choose_layers
-
-
-def rec(start, end, state=PeerState.ONLINE, throughput=1.0, name=None):
-    return PeerRecord("m", name or f"p{start}-{end}-{throughput}", [], start, end, state, throughput, "cpu")
+from tests.policy_records import rec
 
 
 def test_route_covers_all_layers_with_fewest_hops():
@@ -23,6 +20,24 @@ def test_route_covers_all_layers_with_fewest_hops():
 def test_route_prefers_faster_peer_among_equal_hops():
     records = [rec(0, 5, throughput=1.0), rec(0, 5, throughput=9.0), rec(5, 10)]
     assert find_route(records, 10)[0].throughput == 9.0
+
+
+def test_route_trusts_what_the_client_observed_over_what_peers_claim():
+    liar, honest = rec(0, 5, throughput=100.0, name="liar"), rec(0, 5, throughput=2.0, name="honest")
+    records = [liar, honest, rec(5, 10)]
+    assert find_route(records, 10)[0].peer_id == "liar"
+    # observed rates are per layer: the liar really did 1 token/s through its 5 layers
+    assert find_route(records, 10, observed={"liar": 5.0})[0].peer_id == "honest"
+
+
+def test_route_skips_banned_peers_and_uses_backups_only_when_failing_over():
+    records = [rec(0, 5, name="a"), rec(0, 5, PeerState.BACKUP, name="spare"), rec(5, 10)]
+    assert find_route(records, 10)[0].peer_id == "a"
+    with pytest.raises(RouteError, match="layers 0:5"):
+        find_route(records, 10, banned={"a"})
+    assert find_route(records, 10, banned={"a"}, backups=True)[0].peer_id == "spare"
+    # an online peer is still preferred to a backup when both are usable
+    assert find_route(records, 10, backups=True)[0].peer_id == "a"
 
 
 def test_route_names_missing_layers():
@@ -46,34 +61,32 @@ def test_route_is_contiguous_whenever_it_exists(spans):
     assert all(x.end == y.start for x, y in zip(route, route[1:]))
 
 
-def test_claim_takes_first_unserved_range():
-    assert choose_layers([], 30, 10) == (0, 10)
-    assert choose_layers([rec(0, 10)], 30, 10) == (10, 20)
-    assert choose_layers([rec(0, 10), rec(20, 30)], 30, 30) == (10, 20)
-
-
-def test_claim_counts_joining_peers_and_ignores_offline_ones():
-    assert choose_layers([rec(0, 10, PeerState.JOINING)], 30, 10) == (10, 20)
-    assert choose_layers([rec(0, 10, PeerState.OFFLINE)], 30, 10) == (0, 10)
-
-
-def test_claim_when_all_served_takes_least_replicated():
-    records = [rec(0, 30), rec(0, 15)]
-    assert choose_layers(records, 30, 30) == (15, 30)
-
-
-@given(st.lists(st.tuples(st.integers(0, 19), st.integers(1, 20)), max_size=6), st.integers(1, 20))
-def test_claim_is_in_bounds_and_fills_a_gap_first(spans, max_layers):
-    records = [rec(a, b) for a, b in spans if a < b]
-    start, end = choose_layers(records, 20, max_layers)
-    assert 0 <= start < end <= 20 and end - start <= max_layers
-    gaps = missing_layers(records, 20)
-    if gaps:
-        assert start == gaps[0][0]
-
-
 def test_record_parsing_rejects_malformed_values():
-    good = rec(0, 4).to_value()
-    assert PeerRecord.from_value(good) == rec(0, 4)
-    for bad in (None, 3, {}, {**good, "state": "dancing"}, {**good, "start": 5}, {**good, "maddrs": 7}):
+    good = rec(0, 4, moving_to=(4, 8), rtt=0.01).to_value()
+    assert PeerRecord.from_value(good) == rec(0, 4, moving_to=(4, 8), rtt=0.01)
+    bad_values = (
+        None, 3, {}, {**good, "state": "dancing"}, {**good, "start": 5}, {**good, "maddrs": 7},
+        {**good, "compute_rate": float("nan")}, {**good, "compute_rate": 0}, {**good, "network_rate": -1.0},
+        {**good, "moving_to": [3]}, {**good, "moving_to": [5, 2]}, {**good, "load": "x"},
+    )
+    for bad in bad_values:
         assert PeerRecord.from_value(bad) is None
+
+
+def test_failing_peers_are_banned_with_growing_back_off():
+    health = PeerHealth()
+    assert [health.failed("p", now=0.0) for _ in range(4)] == [5.0, 10.0, 20.0, 40.0]
+    assert health.banned(now=30.0) == {"p"} and health.banned(now=41.0) == set()
+    for _ in range(20):
+        health.failed("p", now=0.0)
+    assert health.banned(now=BAN_MAX - 1) == {"p"} and health.banned(now=BAN_MAX + 1) == set()
+    health.succeeded("p")
+    assert health.failed("p", now=0.0) == 5.0
+
+
+def test_observed_speed_is_a_moving_average_per_layer():
+    health = PeerHealth()
+    health.observe("p", layers=10, seconds=0.1)
+    assert health.observed["p"] == pytest.approx(100.0)
+    health.observe("p", layers=10, seconds=0.05)
+    assert 100.0 < health.observed["p"] < 200.0

@@ -10,7 +10,8 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
-from p2pfusion.peer.runtime import PeerOptions, serve
+from p2pfusion.peer.runtime import PeerOptions
+from p2pfusion.peer.service import serve
 
 log = logging.getLogger("p2pfusion")
 
@@ -23,12 +24,16 @@ async def run_peer(args, device: str) -> None:
             f"layer range {args.layers[0]}:{args.layers[1]} is out of bounds for {source.name} "
             f"(0:{config.num_hidden_layers})"
         )
+    if args.max_layers is not None and args.max_layers < 1:
+        raise ModelError("--max-layers must be at least 1")
     _check_device(device)
     options = PeerOptions(
         source=source,
         initial_peers=[] if args.new_swarm else args.initial_peers,
         layers=args.layers,
         max_layers=args.max_layers,
+        backup=args.backup,
+        throughput=args.throughput,
         device=device,
         host=args.host,
         port=args.port,

@@ -60,7 +60,7 @@ class LocalSwarm:
             self.maddrs = maddrs
         return maddrs
 
-    def start(self, ranges: list[tuple[int, int]]) -> "LocalSwarm":
+    def start(self, ranges: list[tuple[int, int]]) -> LocalSwarm:
         """The first peer starts the swarm; the others join it in parallel."""
         first = self.launch(ranges[0])
         self.wait_ready(first)
@@ -80,7 +80,7 @@ class LocalSwarm:
                 proc.kill()
                 proc.wait()
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,4 @@
-"""The `p2pfusion` command: run-peer, infer, demo. Logs go to stderr; results go to stdout."""
+"""The `p2pfusion` command: run-peer, infer, swarm, demo. Logs go to stderr; results go to stdout."""
 
 from __future__ import annotations
 
@@ -29,6 +29,18 @@ def maddr_list(text: str) -> list[str]:
     return maddrs
 
 
+def throughput(text: str) -> str:
+    if text in ("auto", "eval"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected auto, eval or a positive number, got {text!r}")
+    return text
+
+
 # One address per flag (repeatable, or comma-separated), so a trailing prompt is never taken for one.
 INITIAL_PEERS = dict(
     type=maddr_list, action="extend", metavar="MADDR", help="multiaddr of a swarm peer (repeat for more)"
@@ -53,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     joining.add_argument("--initial-peers", **INITIAL_PEERS)
     peer.add_argument("--layers", type=layer_range, metavar="START:END", help="layers to serve")
     peer.add_argument("--max-layers", type=int, help="serve at most this many layers when --layers is not given")
+    peer.add_argument("--backup", action="store_true", help="keep a stage warm and take over when its peer leaves")
+    peer.add_argument(
+        "--throughput", type=throughput, default="auto", metavar="auto|eval|N",
+        help="auto: reuse the cached benchmark; eval: measure again; N: one-token steps/s through one layer",
+    )
     where = peer.add_mutually_exclusive_group()
     where.add_argument("--gpu", type=int, metavar="N", help="serve on CUDA device N")
     where.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
@@ -70,6 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     infer.add_argument("--seed", type=int)
     infer.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+
+    view = sub.add_parser("swarm", help="show a swarm's stages, peers and bottleneck")
+    view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
+    view.add_argument("--model", help="show only this model (default: every model served)")
+    view.add_argument("--json", action="store_true", help="print JSON for scripts")
+    view.add_argument("--no-probe", dest="probe", action="store_false", help="do not time each peer from here")
 
     demo = sub.add_parser("demo", help="a local 3-peer swarm of the default model and one private inference")
     demo.add_argument("--prompt", default="What is the capital of France?")
@@ -111,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             from p2pfusion.cli.commands import infer
 
             _run(infer(args))
+        elif args.command == "swarm":
+            from p2pfusion.cli.swarm_view import show_swarm
+
+            _run(show_swarm(args))
         else:
             from p2pfusion.cli.demo import demo
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
-from p2pfusion.client.routing import find_route
-from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import ModelSource
@@ -23,6 +23,7 @@ class Generated:
     text: str
     prefill_seconds: float
     decode_seconds: float
+    recoveries: int = 0  # times the session moved around a failed peer
 
 
 def choose_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -42,6 +43,7 @@ class RemoteCausalLM:
         self.config = load_config(source)
         self.head = load_head(source, dtype)
         self.dtype = dtype
+        self.health = PeerHealth(observed=load_observed(source.name))
         self._tokenizer = None
 
     @property
@@ -78,12 +80,13 @@ class RemoteCausalLM:
             ))
         return list(self.tokenizer(prompt)["input_ids"])
 
-    async def open_session(self, max_length: int) -> InferenceSession:
+    async def open_session(self, max_length: int) -> ResilientSession:
         if self.swarm is None:
             raise RequestError("this model is not attached to a swarm")
-        records = await self.swarm.lookup(self.source.name)
-        route = find_route(records, self.config.num_hidden_layers)
-        return await InferenceSession(self.swarm.p2p, route, max_length).open()
+        session = ResilientSession(
+            self.swarm, self.source.name, self.config.num_hidden_layers, max_length, self.health
+        )
+        return await session.open()
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -101,6 +104,7 @@ class RemoteCausalLM:
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
         stop_at_eos: bool = True,
+        decode: bool = True,
     ) -> Generated:
         self.check_prompt(input_ids)
         total = min(len(input_ids) + max_new_tokens, self.max_length())
@@ -124,5 +128,6 @@ class RemoteCausalLM:
             t2 = time.perf_counter()
         finally:
             await session.close()
-        text = self.tokenizer.decode(new, skip_special_tokens=True)
-        return Generated(new, text, prefill_seconds=t1 - t0, decode_seconds=t2 - t1)
+            save_observed(self.source.name, self.health.observed)
+        text = self.tokenizer.decode(new, skip_special_tokens=True) if decode else ""
+        return Generated(new, text, t1 - t0, t2 - t1, session.recoveries)

@@ -1,18 +1,24 @@
-"""An inference session through a route of peers: hidden states in at the first hop, out at the last."""
+"""An inference session through one route of peers: hidden states in at the first hop, out at the last.
+
+It reports a dead peer as PeerFailed (naming it when it can), and remembers peers that announced
+they are leaving; `p2pfusion.client.failover` builds a new route and replays around both.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import torch
 from hivemind.p2p import P2P, PeerID
 
 from p2pfusion.dht.records import PeerRecord
-from p2pfusion.errors import RequestError, RouteError
+from p2pfusion.errors import PeerFailed, RequestError, RouteError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
 
+OPEN_TIMEOUT = 15.0
 STEP_TIMEOUT = 60.0
 
 
@@ -23,6 +29,9 @@ class InferenceSession:
         self.max_length = max_length
         self.session_id = uuid.uuid4().hex
         self.position = 0
+        self.leaving: set[str] = set()  # peers of this route that asked us to move
+        self.timings: list[tuple[str, float]] = []  # the last step's compute seconds per hop
+        self.seconds = 0.0  # the last step's wall time, as this client saw it
         self._step = 0
         self._head = None
         self._sink = None
@@ -31,50 +40,90 @@ class InferenceSession:
 
     async def _connect(self, record: PeerRecord):
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(
-                PeerID.from_base58(record.peer_id), m.PROTOCOL
+            _, reader, writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(record.peer_id), m.PROTOCOL), OPEN_TIMEOUT
             )
         except Exception as exc:
-            raise RouteError(f"peer {record.peer_id} ({record.start}:{record.end}) unreachable: {exc}") from exc
+            raise PeerFailed(f"peer {record.peer_id} ({record.start}:{record.end}) unreachable: {exc!r}", record.peer_id) from exc
         return reader, writer
 
-    async def _expect_ack(self, reader) -> None:
-        header, _ = await asyncio.wait_for(read_frame(reader), STEP_TIMEOUT)
+    async def _expect_ack(self, reader, record: PeerRecord) -> None:
+        try:
+            header, _ = await asyncio.wait_for(read_frame(reader), OPEN_TIMEOUT)
+        except (TimeoutError, EOFError, FrameError, ConnectionError) as exc:
+            raise PeerFailed(f"peer {record.peer_id} did not answer: {exc!r}", record.peer_id) from exc
         reply = m.from_header(header)
         if isinstance(reply, m.Error):
+            if reply.failed_peer is not None:
+                raise PeerFailed(reply.message, reply.failed_peer)
             raise RouteError(reply.message)
 
-    async def open(self) -> "InferenceSession":
-        sink_reader, self._sink = await self._connect(self.route[-1])
-        await write_frame(self._sink, m.to_header(m.Subscribe(self.session_id)))
-        await self._expect_ack(sink_reader)
-        head_reader, self._head = await self._connect(self.route[0])
-        hops = [m.Hop(r.peer_id, r.maddrs, r.start, r.end) for r in self.route]
-        await write_frame(self._head, m.to_header(m.Open(self.session_id, self.max_length, hops)))
-        await self._expect_ack(head_reader)
-        self._readers = [asyncio.create_task(self._pump(r)) for r in (sink_reader, head_reader)]
+    async def open(self) -> InferenceSession:
+        try:
+            sink_reader, self._sink = await self._connect(self.route[-1])
+            await write_frame(self._sink, m.to_header(m.Subscribe(self.session_id)))
+            await self._expect_ack(sink_reader, self.route[-1])
+            head_reader, self._head = await self._connect(self.route[0])
+            hops = [m.Hop(r.peer_id, r.maddrs, r.start, r.end) for r in self.route]
+            await write_frame(self._head, m.to_header(m.Open(self.session_id, self.max_length, hops)))
+            await self._expect_ack(head_reader, self.route[0])
+        except BaseException:
+            await self.close()
+            raise
+        self._readers = [
+            asyncio.create_task(self._pump(sink_reader, self.route[-1].peer_id)),
+            asyncio.create_task(self._pump(head_reader, self.route[0].peer_id)),
+        ]
         return self
 
-    async def _pump(self, reader) -> None:
+    async def _pump(self, reader, peer_id: str) -> None:
         try:
             while True:
                 self._inbox.put_nowait(await read_frame(reader))
         except (EOFError, FrameError, ConnectionError) as exc:
-            self._inbox.put_nowait(({"kind": "error", "message": f"connection to the swarm lost: {exc!r}"}, None))
+            message = f"connection to peer {peer_id} lost: {exc!r}"
+            self._inbox.put_nowait((m.to_header(m.Error(message=message, failed_peer=peer_id)), None))
 
-    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+    def poll_notices(self) -> set[str]:
+        """Take in `Leaving` notices that came between steps; other messages stay queued for step()."""
+        kept = []
+        while not self._inbox.empty():
+            header, tensor = self._inbox.get_nowait()
+            if header.get("kind") == m.Leaving.kind:
+                self.leaving.add(m.from_header(header).peer_id)
+            else:
+                kept.append((header, tensor))
+        for item in kept:
+            self._inbox.put_nowait(item)
+        return self.leaving
+
+    async def step(self, hidden: torch.Tensor, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
         """Send hidden states for the next positions; get the last stage's output for them."""
         if self.position + hidden.shape[1] > self.max_length:
             raise RequestError(f"session would reach {self.position + hidden.shape[1]} tokens, past its max length {self.max_length}")
         self._step += 1
-        await write_frame(self._head, m.to_header(m.Step(step=self._step)), hidden)
+        t0 = time.perf_counter()
+        try:
+            await write_frame(self._head, m.to_header(m.Step(step=self._step)), hidden)
+        except (ConnectionError, RuntimeError) as exc:
+            raise PeerFailed(f"peer {self.route[0].peer_id} closed the session: {exc!r}", self.route[0].peer_id) from exc
+        deadline = time.monotonic() + timeout
         while True:
-            header, tensor = await asyncio.wait_for(self._inbox.get(), STEP_TIMEOUT)
+            try:
+                header, tensor = await asyncio.wait_for(self._inbox.get(), max(deadline - time.monotonic(), 0))
+            except TimeoutError:
+                raise PeerFailed(f"the swarm did not answer within {timeout:.0f} s", None) from None
             reply = m.from_header(header)
-            if isinstance(reply, m.Error):
+            if isinstance(reply, m.Leaving):
+                self.leaving.add(reply.peer_id)
+            elif isinstance(reply, m.Error):
+                if reply.failed_peer is not None:
+                    raise PeerFailed(f"swarm error: {reply.message}", reply.failed_peer)
                 raise RouteError(f"swarm error: {reply.message}")
-            if isinstance(reply, m.Result) and reply.step == self._step:
+            elif isinstance(reply, m.Result) and reply.step == self._step:
                 self.position += hidden.shape[1]
+                self.timings = reply.timings
+                self.seconds = time.perf_counter() - t0
                 return tensor
 
     async def close(self) -> None:

@@ -3,10 +3,15 @@
 Every peer of a model writes one subkey under the model's key. The subkey carries the peer's
 RSA public key (hivemind's `[owner:...]` marker), so the DHT's signature validator rejects any
 write to it not signed by that key: no peer can overwrite another's record.
+
+Throughput is announced as two measured rates, so that anyone can work out what a peer would
+carry over any span of layers: `compute_rate` (one-token steps per second through one layer)
+and `network_rate` (hidden states per second its links carry; None when not measured).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
@@ -15,7 +20,14 @@ from typing import Any
 class PeerState(str, Enum):
     JOINING = "joining"
     ONLINE = "online"
+    BACKUP = "backup"
     OFFLINE = "offline"
+
+
+def span_throughput(compute_rate: float, network_rate: float | None, span: int) -> float:
+    """Tokens/s a peer carries through `span` layers: its compute shared by them, capped by its links."""
+    compute = compute_rate / max(span, 1)
+    return compute if network_rate is None else min(compute, network_rate)
 
 
 @dataclass(frozen=True)
@@ -26,18 +38,40 @@ class PeerRecord:
     start: int
     end: int
     state: PeerState
-    throughput: float
+    compute_rate: float
+    network_rate: float | None
     device: str
+    load: float = 0.0  # tokens/s it actually processed lately, so others can see demand
+    batch_rate: float = 0.0  # tokens/s through one layer in a batch forward
+    rtt: float | None = None  # seconds, to the peers it measured
+    moving_to: tuple[int, int] | None = None  # a range it is loading, to serve instead of this one
+
+    @property
+    def span(self) -> int:
+        return self.end - self.start
+
+    @property
+    def throughput(self) -> float:
+        return span_throughput(self.compute_rate, self.network_rate, self.span)
+
+    @property
+    def serving(self) -> bool:
+        """Counted as capacity: online, or about to be (joining peers are loading their layers)."""
+        return self.state in (PeerState.ONLINE, PeerState.JOINING)
 
     def to_value(self) -> dict[str, Any]:
-        return {**asdict(self), "state": self.state.value}
+        value = {**asdict(self), "state": self.state.value}
+        value["moving_to"] = list(self.moving_to) if self.moving_to is not None else None
+        return value
 
     @classmethod
-    def from_value(cls, value: Any) -> "PeerRecord | None":
+    def from_value(cls, value: Any) -> PeerRecord | None:
         """Parse a DHT value; None for anything malformed, since other peers' values are untrusted."""
         if not isinstance(value, dict):
             return None
         try:
+            network = value["network_rate"]
+            moving = value.get("moving_to")
             record = cls(
                 model=str(value["model"]),
                 peer_id=str(value["peer_id"]),
@@ -45,13 +79,44 @@ class PeerRecord:
                 start=int(value["start"]),
                 end=int(value["end"]),
                 state=PeerState(value["state"]),
-                throughput=float(value["throughput"]),
+                compute_rate=float(value["compute_rate"]),
+                network_rate=None if network is None else float(network),
                 device=str(value["device"]),
+                load=float(value.get("load", 0.0)),
+                batch_rate=float(value.get("batch_rate", 0.0)),
+                rtt=None if value.get("rtt") is None else float(value["rtt"]),
+                moving_to=None if moving is None else (int(moving[0]), int(moving[1])),
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, IndexError):
             return None
-        return record if 0 <= record.start < record.end else None
+        optional = [x for x in (record.network_rate, record.rtt) if x is not None]
+        rates = [record.compute_rate, record.load, record.batch_rate, *optional]
+        if not all(math.isfinite(x) and x >= 0 for x in rates) or record.compute_rate <= 0:
+            return None
+        ranges = [(record.start, record.end)] + ([record.moving_to] if record.moving_to is not None else [])
+        return record if all(0 <= a < b for a, b in ranges) else None
+
+
+@dataclass(frozen=True)
+class UnreachableReport:
+    """A client's hint that a peer stopped answering. Anyone may write one, so readers verify it."""
+
+    peer_id: str
+    reason: str
+
+    @classmethod
+    def from_value(cls, value: Any) -> UnreachableReport | None:
+        if not isinstance(value, dict) or not isinstance(value.get("peer_id"), str):
+            return None
+        return cls(peer_id=value["peer_id"], reason=str(value.get("reason", ""))[:200])
 
 
 def model_key(model: str) -> str:
     return f"p2pfusion.model.{model}"
+
+
+def unreachable_key(model: str) -> str:
+    return f"p2pfusion.unreachable.{model}"
+
+
+MODELS_KEY = "p2pfusion.models"

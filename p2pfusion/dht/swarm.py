@@ -12,7 +12,13 @@ from hivemind.p2p import P2P
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pfusion.dht.records import PeerRecord, model_key
+from p2pfusion.dht.records import (
+    MODELS_KEY,
+    PeerRecord,
+    UnreachableReport,
+    model_key,
+    unreachable_key,
+)
 from p2pfusion.errors import RouteError
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,29 @@ class SwarmNode:
         return await self.dht.store(
             model_key(record.model), subkey=subkey, value=record.to_value(), expiration_time=get_dht_time() + ttl
         )
+
+    async def announce_model(self, model: str, ttl: float = RECORD_TTL) -> bool:
+        """List the model under a shared key, so `p2pfusion swarm` can show every model served."""
+        return await self.dht.store(MODELS_KEY, subkey=model, value=model, expiration_time=get_dht_time() + ttl)
+
+    async def models(self) -> list[str]:
+        found = await self.dht.get(MODELS_KEY, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return sorted({e.value for e in found.value.values() if isinstance(getattr(e, "value", None), str)})
+
+    async def report_unreachable(self, model: str, peer_id: str, reason: str, ttl: float = RECORD_TTL) -> bool:
+        value = {"peer_id": peer_id, "reason": reason[:200]}
+        return await self.dht.store(
+            unreachable_key(model), subkey=peer_id, value=value, expiration_time=get_dht_time() + ttl
+        )
+
+    async def unreachable_reports(self, model: str) -> list[UnreachableReport]:
+        found = await self.dht.get(unreachable_key(model), latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        reports = [UnreachableReport.from_value(getattr(e, "value", None)) for e in found.value.values()]
+        return [r for r in reports if r is not None]
 
     async def lookup(self, model: str) -> list[PeerRecord]:
         """Every valid, unexpired record of the model's peers, in all states."""
@@ -85,7 +114,7 @@ async def join_swarm(
         p2p_kwargs["identity_path"] = identity_path
     try:
         p2p = await asyncio.wait_for(P2P.create(**p2p_kwargs), JOIN_TIMEOUT)
-    except asyncio.TimeoutError as exc:
+    except TimeoutError as exc:
         raise RouteError(f"cannot reach any initial peer within {JOIN_TIMEOUT:.0f} s: {initial_peers}") from exc
     except Exception as exc:  # the daemon reports bad addresses and dial failures as assorted errors
         if "bootstrap" in str(exc):

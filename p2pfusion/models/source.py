@@ -37,6 +37,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("P2PFUSION_CACHE", Path.home() / ".cache" / "p2pfusion"))
 
 
+def safe_name(text: str) -> str:
+    """`text` made safe as a file name."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
 def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:

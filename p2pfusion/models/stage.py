@@ -21,8 +21,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, PretrainedConfig
-
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    DynamicCache,
+    PretrainedConfig,
+)
 from transformers.initialization import no_init_weights
 
 from p2pfusion.errors import ModelError

@@ -7,6 +7,10 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
 3. Each `Step` carries hidden states to a hop, which computes and pushes a `Step` to the next hop,
    or a `Result` to the client's output stream if it is the last.
 4. `Error` travels back upstream to the client; `Close` travels down and frees every KV cache.
+   An error that names `failed_peer` means that peer is gone: the client routes around it.
+5. A peer that is leaving sends `Leaving` upstream once its steps in flight are done, so the
+   client moves its session before its next step, with no error.
+Each hop adds its own compute time to a step's `timings`, so the client learns per-peer speeds.
 """
 
 from __future__ import annotations
@@ -48,16 +52,18 @@ class Ack:
 
 @dataclass(frozen=True)
 class Step:
-    """Hidden states of `tokens` new positions; the tensor travels beside the header."""
+    """Hidden states of new positions; the tensor travels beside the header."""
 
     kind: ClassVar[str] = "step"
     step: int
+    timings: list[tuple[str, float]] = field(default_factory=list)  # (peer id, compute seconds) per hop
 
 
 @dataclass(frozen=True)
 class Result:
     kind: ClassVar[str] = "result"
     step: int
+    timings: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,13 @@ class Error:
     kind: ClassVar[str] = "error"
     message: str
     step: int = -1
+    failed_peer: str | None = None
+
+
+@dataclass(frozen=True)
+class Leaving:
+    kind: ClassVar[str] = "leaving"
+    peer_id: str
 
 
 @dataclass(frozen=True)
@@ -72,7 +85,7 @@ class Close:
     kind: ClassVar[str] = "close"
 
 
-MESSAGES = {cls.kind: cls for cls in (Subscribe, Open, Ack, Step, Result, Error, Close)}
+MESSAGES = {cls.kind: cls for cls in (Subscribe, Open, Ack, Step, Result, Error, Close, Leaving)}
 
 
 def to_header(message: Any) -> dict[str, Any]:
@@ -112,7 +125,27 @@ def from_header(header: dict[str, Any]) -> Any:
     if cls is Subscribe:
         return Subscribe(session_id=_typed(header.get("session_id"), str, "session_id"))
     if cls in (Step, Result):
-        return cls(step=_typed(header.get("step"), int, "step"))
+        return cls(step=_typed(header.get("step"), int, "step"), timings=_timings(header.get("timings", [])))
     if cls is Error:
-        return Error(message=str(header.get("message")), step=int(header.get("step", -1)))
+        failed = header.get("failed_peer")
+        return Error(
+            message=str(header.get("message")),
+            step=_typed(header.get("step", -1), int, "step"),
+            failed_peer=None if failed is None else _typed(failed, str, "failed_peer"),
+        )
+    if cls is Leaving:
+        return Leaving(peer_id=_typed(header.get("peer_id"), str, "peer_id"))
     return cls()
+
+
+def _timings(raw: Any) -> list[tuple[str, float]]:
+    entries = _typed(raw, list, "timings")
+    out = []
+    for entry in entries:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
+            raise RequestError("timings entries must be [peer_id, seconds]")
+        seconds = entry[1]
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
+            raise RequestError("timings seconds must be a number")
+        out.append((_typed(entry[0], str, "timings"), float(seconds)))
+    return out

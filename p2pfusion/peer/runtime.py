@@ -1,25 +1,33 @@
-"""A peer's life: join the swarm, claim layers, load them, serve, announce, leave cleanly."""
+"""A peer's life: join the swarm, measure itself, claim layers, load them, serve, announce, leave.
+
+The decisions (which layers, when to move, when a backup takes over) are pure functions in
+`balance`, `rebalance` and `backup`; `upkeep` runs them periodically. This module does the I/O.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-from dataclasses import dataclass
+import statistics
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from p2pfusion.dht.records import PeerRecord, PeerState
-from p2pfusion.dht.swarm import RECORD_TTL, SwarmNode, join_swarm
+from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_stage
-from p2pfusion.peer.claim import choose_layers
+from p2pfusion.net import probe
+from p2pfusion.peer.balance import Capacity, Placement, place_peer, stage_most_at_risk
+from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name
 from p2pfusion.peer.server import StageServer
 
 log = logging.getLogger(__name__)
 
-PLACEHOLDER_THROUGHPUT = 1.0
+LINK_PROBES = 3  # peers whose links a joining peer measures
+VERIFY_TTL = 10.0  # seconds our check of a peer that clients reported unreachable is trusted
 
 
 @dataclass
@@ -28,89 +36,136 @@ class PeerOptions:
     initial_peers: list[str]
     layers: tuple[int, int] | None = None
     max_layers: int | None = None
+    backup: bool = False
+    throughput: str = "auto"  # "auto" (cached benchmark), "eval" (measure again) or a number
     device: str = "cpu"
+    dtype: torch.dtype = torch.float32
     host: str = "127.0.0.1"
     port: int = 0
     identity: str | None = None
     address_file: Path | None = None
     max_length: int = 2048
+    refresh_period: float = 10.0
+    watch_period: float = 2.0
+    rebalance_period: float = 120.0
+    drain_timeout: float = 10.0
 
 
 class Peer:
     def __init__(self, options: PeerOptions, swarm: SwarmNode):
         self.options = options
         self.swarm = swarm
+        self.model = options.source.name
+        self.num_layers = load_config(options.source).num_hidden_layers
         self.server: StageServer | None = None
         self.record: PeerRecord | None = None
+        self.capacity: Capacity | None = None
+        self.started = time.monotonic()
+        self.reload_seconds_per_layer = 1.0  # replaced by the measured time of this peer's own loads
+        self._checked: dict[str, tuple[float, bool]] = {}
 
-    async def _record(self, start: int, end: int, state: PeerState) -> PeerRecord:
-        return PeerRecord(
-            model=self.options.source.name,
-            peer_id=self.swarm.peer_id,
-            maddrs=await self.swarm.maddrs(),
-            start=start,
-            end=end,
-            state=state,
-            throughput=PLACEHOLDER_THROUGHPUT,
-            device=self.options.device,
-        )
+    async def live_records(self) -> tuple[list[PeerRecord], set[str]]:
+        """The model's records, less the peers that clients reported unreachable and that fail our
+        own check too (a report alone proves nothing: anyone may write one). Also returns those."""
+        records = await self.swarm.lookup(self.model)
+        reports = await self.swarm.unreachable_reports(self.model)
+        listed = {r.peer_id for r in records if r.state != PeerState.OFFLINE} - {self.swarm.peer_id}
+        gone, now = set(), time.monotonic()
+        for peer_id in {report.peer_id for report in reports} & listed:
+            checked = self._checked.get(peer_id)
+            if checked is None or now - checked[0] > VERIFY_TTL:
+                checked = (now, await probe.reachable(self.swarm.p2p, peer_id))
+                self._checked[peer_id] = checked
+            if not checked[1]:
+                gone.add(peer_id)
+        return [r for r in records if r.peer_id not in gone], gone
+
+    def _benchmark(self) -> ComputeBenchmark:
+        given = self.options.throughput
+        if given not in ("auto", "eval"):
+            return ComputeBenchmark(float(given), float(given), self.num_layers, device_name(self.options.device))
+        return compute_benchmark(self.options.source, self.options.device, self.options.dtype, force=given == "eval")
+
+    async def _measure_links(self, records: list[PeerRecord]) -> tuple[float | None, float | None]:
+        """Tokens/s of hidden states and the round trip, to a few peers (median); None when alone."""
+        others = [r for r in records if r.state != PeerState.OFFLINE and r.peer_id != self.swarm.peer_id]
+        speeds = []
+        for record in others[:LINK_PROBES]:
+            try:
+                speeds.append(await probe.measure_link(self.swarm.p2p, record.peer_id))
+            except Exception as exc:  # an unreachable peer is simply not measured
+                log.info("could not measure the link to %s: %r", record.peer_id, exc)
+        if not speeds:
+            return None, None
+        config = load_config(self.options.source)
+        bytes_per_token = config.hidden_size * self.options.dtype.itemsize
+        rate = statistics.median(s.bytes_per_second for s in speeds) / bytes_per_token
+        return rate, statistics.median(s.rtt for s in speeds)
+
+    def _placement(self, records: list[PeerRecord]) -> Placement:
+        if self.options.layers is not None:
+            return Placement(*self.options.layers, backup=self.options.backup)
+        if self.options.backup:
+            stage = stage_most_at_risk(records, self.num_layers, self.capacity.max_layers)
+            if stage is not None:
+                return Placement(*stage, backup=True)
+        return place_peer(records, self.num_layers, self.capacity, self.swarm.peer_id)
 
     async def start(self) -> None:
-        num_layers = load_config(self.options.source).num_hidden_layers
-        if self.options.layers is not None:
-            start, end = self.options.layers
-        else:
-            records = await self.swarm.lookup(self.options.source.name)
-            start, end = choose_layers(records, num_layers, self.options.max_layers or num_layers)
-        self.record = await self._record(start, end, PeerState.JOINING)
-        await self.swarm.announce(self.record)
-        log.info("loading layers %d:%d of %s", start, end, self.options.source.name)
-        stage = await asyncio.to_thread(load_stage, self.options.source, start, end, torch.float32, self.options.device)
+        await probe.serve_probes(self.swarm.p2p)
+        bench = await asyncio.to_thread(self._benchmark)
+        records, _ = await self.live_records()
+        network_rate, rtt = await self._measure_links(records)
+        max_layers = min(self.options.max_layers or self.num_layers, bench.max_layers)
+        self.capacity = Capacity(bench.decode_rate, network_rate, max_layers)
+        placement = self._placement(records)
+        self.record = PeerRecord(
+            model=self.model, peer_id=self.swarm.peer_id, maddrs=await self.swarm.maddrs(),
+            start=placement.start, end=placement.end, state=PeerState.JOINING,
+            compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
+            batch_rate=bench.batch_rate, rtt=rtt,
+        )
+        await self.announce()
+        stage = await self.load(placement.start, placement.end)
         self.server = StageServer(stage, self.swarm.p2p, self.options.max_length)
         await self.server.start()
-        self.record = await self._record(start, end, PeerState.ONLINE)
-        await self.swarm.announce(self.record)
-        log.info("serving layers %d:%d as %s", start, end, self.swarm.peer_id)
+        await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
+        role = "a warm backup of" if placement.backup else "serving"
+        log.info("%s layers %d:%d as %s", role, placement.start, placement.end, self.swarm.peer_id)
 
-    async def announce_forever(self) -> None:
-        while True:
-            await asyncio.sleep(RECORD_TTL / 3)
-            try:
-                await self.swarm.announce(self.record)
-            except Exception:  # a failed refresh is retried on the next tick; the record has slack
-                log.warning("could not refresh the DHT record", exc_info=True)
+    async def load(self, start: int, end: int):
+        log.info("loading layers %d:%d of %s", start, end, self.model)
+        t0 = time.perf_counter()
+        stage = await asyncio.to_thread(load_stage, self.options.source, start, end, self.options.dtype, self.options.device)
+        self.reload_seconds_per_layer = (time.perf_counter() - t0) / (end - start)
+        return stage
+
+    async def announce(self, **changes) -> None:
+        """Publish this peer's record (with any changes) to the DHT, and list its model."""
+        self.record = replace(self.record, **changes)
+        await self.swarm.announce(self.record)
+        await self.swarm.announce_model(self.model)
+
+    async def move(self, start: int, end: int, overlap: bool) -> None:
+        """Serve [start, end) instead. With `overlap`, the old range serves until the new one is loaded."""
+        old = (self.record.start, self.record.end)
+        log.info("moving from layers %d:%d to %d:%d (%s)", *old, start, end, "overlapped" if overlap else "with a gap")
+        if overlap:
+            await self.announce(moving_to=(start, end))
+        else:
+            await self.announce(start=start, end=end, state=PeerState.JOINING, moving_to=None)
+            await self.server.drain(self.options.drain_timeout)
+        stage = await self.load(start, end)
+        self.server.stage = stage  # sessions opened on the old layers finish there
+        self.server.draining = False
+        await self.announce(start=start, end=end, state=PeerState.ONLINE, moving_to=None)
 
     async def leave(self) -> None:
         """Announce offline first, so clients route around this peer, then let sessions finish."""
+        if self.record is not None and self.record.state == PeerState.OFFLINE:
+            return  # already left
         if self.record is not None:
-            self.record = await self._record(self.record.start, self.record.end, PeerState.OFFLINE)
-            await self.swarm.announce(self.record)
+            await self.announce(state=PeerState.OFFLINE, moving_to=None)
         if self.server is not None:
-            self.server.draining = True
+            await self.server.drain(self.options.drain_timeout)
             await self.server.stop()
-
-
-async def serve(options: PeerOptions, on_ready=None) -> None:
-    """Run a peer until SIGINT or SIGTERM. `on_ready(maddrs)` is called once it serves."""
-    swarm = await join_swarm(options.initial_peers, options.host, options.port, options.identity)
-    peer = Peer(options, swarm)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await peer.start()
-        maddrs = await swarm.maddrs()
-        if options.address_file is not None:
-            tmp = options.address_file.with_suffix(".tmp")
-            tmp.write_text("\n".join(maddrs) + "\n")
-            tmp.replace(options.address_file)
-        if on_ready is not None:
-            on_ready(maddrs)
-        refresher = asyncio.create_task(peer.announce_forever())
-        await stop.wait()
-        refresher.cancel()
-        log.info("leaving the swarm")
-        await peer.leave()
-    finally:
-        await swarm.shutdown()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -24,11 +25,21 @@ log = logging.getLogger(__name__)
 SUBSCRIBE_WAIT = 10.0
 
 
+class HopUnreachable(RequestError):
+    """The next hop of a route did not answer: the client should route around that peer."""
+
+    def __init__(self, message: str, peer_id: str):
+        super().__init__(message)
+        self.peer_id = peer_id
+
+
 @dataclass
 class Session:
     session_id: str
     max_length: int
+    stage: Stage  # kept per session: sessions opened before a move finish on the old layers
     cache: object
+    upstream: asyncio.StreamWriter
     length: int = 0
     downstream: asyncio.StreamWriter | None = None
     sink: asyncio.StreamWriter | None = None
@@ -39,7 +50,9 @@ class StageServer:
     def __init__(self, stage: Stage, p2p: P2P, max_length: int = 2048):
         self.stage = stage
         self.p2p = p2p
+        self.peer_id = p2p.peer_id.to_base58()
         self.max_length = max_length
+        self.tokens_done = 0  # tokens computed since start, for the load this peer announces
         self.sessions: dict[str, Session] = {}
         self._sinks: dict[str, asyncio.StreamWriter] = {}
         self._sink_ready: dict[str, asyncio.Event] = {}
@@ -54,6 +67,15 @@ class StageServer:
         await self.p2p.remove_binary_stream_handler(m.PROTOCOL)
         self._compute.shutdown(wait=True)
 
+    async def drain(self, timeout: float) -> None:
+        """Refuse new sessions, tell current clients to move, and let their steps in flight finish."""
+        self.draining = True
+        for session in list(self.sessions.values()):
+            await _send_quietly(session.upstream, m.Leaving(peer_id=self.peer_id))
+        deadline = time.monotonic() + timeout
+        while self.sessions and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
     async def _handle(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             header, _ = await read_frame(reader)
@@ -66,6 +88,9 @@ class StageServer:
                 raise RequestError(f"unknown session: a {message.kind!r} message came before 'open'")
         except EOFError:
             pass
+        except HopUnreachable as exc:
+            log.warning("%s", exc)
+            await _send_quietly(writer, m.Error(message=str(exc), failed_peer=exc.peer_id))
         except RequestError as exc:
             log.warning("rejected a request: %s", exc)
             await _send_quietly(writer, m.Error(message=str(exc)))
@@ -89,22 +114,24 @@ class StageServer:
         if not msg.route:
             raise RequestError("open: empty route")
         hop = msg.route[0]
-        if hop.peer_id != self.p2p.peer_id.to_base58():
+        if hop.peer_id != self.peer_id:
             raise RequestError(f"open: route names peer {hop.peer_id}, not this one")
         if (hop.start, hop.end) != (self.stage.start, self.stage.end):
-            raise RequestError(
-                f"open: this peer serves layers {self.stage.start}:{self.stage.end}, not {hop.start}:{hop.end}"
+            # the client's view of the swarm is stale (this peer moved): it should look again
+            raise HopUnreachable(
+                f"open: this peer serves layers {self.stage.start}:{self.stage.end}, not {hop.start}:{hop.end}",
+                self.peer_id,
             )
         if not 0 < msg.max_length <= self.max_length:
             raise RequestError(f"open: max_length must be in 1..{self.max_length}, got {msg.max_length}")
         if msg.session_id in self.sessions:
             raise RequestError(f"open: session {msg.session_id} already exists")
         if self.draining:
-            raise RequestError("open: this peer is leaving the swarm")
+            raise HopUnreachable("open: this peer is leaving the swarm", self.peer_id)
 
     async def _serve_session(self, msg: m.Open, reader, writer) -> None:
         self._check_open(msg)
-        session = Session(msg.session_id, msg.max_length, self.stage.new_cache())
+        session = Session(msg.session_id, msg.max_length, self.stage, self.stage.new_cache(), writer)
         self.sessions[msg.session_id] = session
         try:
             await self._connect_onward(session, msg, writer)
@@ -123,7 +150,7 @@ class StageServer:
             ready = self._sink_ready.setdefault(msg.session_id, asyncio.Event())
             try:
                 await asyncio.wait_for(ready.wait(), SUBSCRIBE_WAIT)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise RequestError("open: the client opened no output stream to the last hop") from None
             session.sink = self._sinks[msg.session_id]
             return
@@ -133,12 +160,14 @@ class StageServer:
             await write_frame(writer, m.to_header(m.Open(msg.session_id, msg.max_length, msg.route[1:])))
             header, _ = await read_frame(reader)
         except Exception as exc:
-            raise RequestError(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}") from exc
+            raise HopUnreachable(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
         reply = m.from_header(header)
         if isinstance(reply, m.Error):
+            if reply.failed_peer is not None:
+                raise HopUnreachable(reply.message, reply.failed_peer)
             raise RequestError(reply.message)
         session.downstream = writer
-        session.relay = asyncio.create_task(_relay_errors(reader, upstream))
+        session.relay = asyncio.create_task(_relay_errors(reader, upstream, nxt.peer_id))
 
     async def _run_steps(self, session: Session, reader, writer) -> None:
         while True:
@@ -153,26 +182,31 @@ class StageServer:
                 raise RequestError(f"unexpected {message.kind!r} message inside a session")
             try:
                 hidden = self._check_hidden(session, tensor)
+                t0 = time.perf_counter()
                 out = await asyncio.get_running_loop().run_in_executor(
-                    self._compute, self.stage.forward, hidden, session.length, session.cache
+                    self._compute, session.stage.forward, hidden, session.length, session.cache
                 )
+                seconds = time.perf_counter() - t0
             except RequestError as exc:
                 await write_frame(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
                 continue
             session.length += hidden.shape[1]
+            self.tokens_done += hidden.shape[0] * hidden.shape[1]
+            timings = [*message.timings, (self.peer_id, seconds)]
             if session.downstream is not None:
-                await write_frame(session.downstream, m.to_header(m.Step(step=message.step)), out)
+                await write_frame(session.downstream, m.to_header(m.Step(step=message.step, timings=timings)), out)
             else:
-                await write_frame(session.sink, m.to_header(m.Result(step=message.step)), out)
+                await write_frame(session.sink, m.to_header(m.Result(step=message.step, timings=timings)), out)
 
     def _check_hidden(self, session: Session, tensor: torch.Tensor | None) -> torch.Tensor:
+        stage = session.stage
         if tensor is None:
             raise RequestError("step carries no hidden states")
-        if tensor.dtype != self.stage.dtype:
-            raise RequestError(f"hidden states must be {self.stage.dtype}, got {tensor.dtype}")
-        if tensor.dim() != 3 or tensor.shape[0] < 1 or tensor.shape[1] < 1 or tensor.shape[2] != self.stage.hidden_size:
+        if tensor.dtype != stage.dtype:
+            raise RequestError(f"hidden states must be {stage.dtype}, got {tensor.dtype}")
+        if tensor.dim() != 3 or tensor.shape[0] < 1 or tensor.shape[1] < 1 or tensor.shape[2] != stage.hidden_size:
             raise RequestError(
-                f"hidden states must have shape [batch, tokens, {self.stage.hidden_size}], got {list(tensor.shape)}"
+                f"hidden states must have shape [batch, tokens, {stage.hidden_size}], got {list(tensor.shape)}"
             )
         if session.length + tensor.shape[1] > session.max_length:
             raise RequestError(
@@ -183,14 +217,16 @@ class StageServer:
         return tensor
 
 
-async def _relay_errors(downstream_reader, upstream_writer) -> None:
-    """Pass errors from later hops back toward the client; results go straight to the client."""
+async def _relay_errors(downstream_reader, upstream_writer, next_peer: str) -> None:
+    """Pass errors and notices from later hops back toward the client; results go straight to it."""
     try:
         while True:
             header, _ = await read_frame(downstream_reader)
             await write_frame(upstream_writer, header)
     except (EOFError, FrameError, ConnectionError):
-        await _send_quietly(upstream_writer, m.Error(message="the next hop closed the session"))
+        await _send_quietly(
+            upstream_writer, m.Error(message=f"the next hop {next_peer} closed the session", failed_peer=next_peer)
+        )
 
 
 async def _send_quietly(writer: asyncio.StreamWriter, message) -> None:

@@ -1,0 +1,82 @@
+"""What a client has learned about peers: who failed it (banned, with growing back-off), and how
+fast each peer really was for it (an exponential moving average of observed speed).
+
+Observed speed is kept per layer (layer-tokens/s), so it compares across spans, and it is saved
+in the cache folder, so later runs and `p2pfusion swarm` start from what this machine saw.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2pfusion.models.source import cache_root, safe_name
+
+log = logging.getLogger(__name__)
+
+BAN_BASE = 5.0
+BAN_MAX = 600.0
+EMA_WEIGHT = 0.2  # share of a new observation in the average
+
+
+@dataclass
+class Ban:
+    failures: int
+    until: float
+
+
+@dataclass
+class PeerHealth:
+    bans: dict[str, Ban] = field(default_factory=dict)
+    observed: dict[str, float] = field(default_factory=dict)
+
+    def failed(self, peer_id: str, now: float | None = None) -> float:
+        """Ban a peer that failed us: 5 s, then twice as long each time it fails again. Returns the ban."""
+        now = time.monotonic() if now is None else now
+        failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
+        duration = min(BAN_BASE * 2 ** (failures - 1), BAN_MAX)
+        self.bans[peer_id] = Ban(failures, now + duration)
+        return duration
+
+    def banned(self, now: float | None = None) -> set[str]:
+        now = time.monotonic() if now is None else now
+        return {peer for peer, ban in self.bans.items() if ban.until > now}
+
+    def succeeded(self, peer_id: str) -> None:
+        """A peer that served a whole session well starts its back-off over."""
+        self.bans.pop(peer_id, None)
+
+    def observe(self, peer_id: str, layers: int, seconds: float, tokens: int = 1) -> None:
+        if seconds <= 0 or layers <= 0:
+            return
+        rate = layers * tokens / seconds
+        old = self.observed.get(peer_id)
+        self.observed[peer_id] = rate if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate
+
+
+def _path(model: str) -> Path:
+    return cache_root() / "observed" / f"{safe_name(model)}.json"
+
+
+def load_observed(model: str) -> dict[str, float]:
+    try:
+        raw = json.loads(_path(model).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float)) and v > 0}
+
+
+def save_observed(model: str, observed: dict[str, float]) -> None:
+    path = _path(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(observed, indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only cache must not fail an inference
+        log.warning("cannot save observed peer speeds to %s: %s", path, exc)

@@ -1,0 +1,174 @@
+"""Stage-level load balancing: which layers a peer serves. Pure functions of the DHT's records.
+
+The swarm's capacity at a layer is the summed throughput of the peers serving it; the swarm's
+*bottleneck* is the smallest of these. A peer serving `k` layers shares its compute among them,
+so serving more layers covers more but adds less to each (see `span_throughput`).
+
+A joining peer picks the range that maximizes the sorted vector of per-layer throughputs
+lexicographically (leximin): first the bottleneck, then the next weakest layer, and so on. That
+raises the weakest stage first and spreads equal peers evenly. Ranges must chain with the
+existing stage boundaries, since a route hands hidden states from one peer's last layer to the
+next peer's first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+
+from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
+
+# Decimal places kept when comparing throughputs, so float noise does not decide a choice.
+PRECISION = 9
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What a peer can offer: its measured rates and how many layers fit in its memory."""
+
+    compute_rate: float
+    network_rate: float | None
+    max_layers: int
+
+    def throughput(self, span: int) -> float:
+        return span_throughput(self.compute_rate, self.network_rate, span)
+
+
+@dataclass(frozen=True)
+class Placement:
+    start: int
+    end: int
+    backup: bool = False
+
+
+def planned(r: PeerRecord) -> PeerRecord:
+    """The record as it will be once its move (if any) is done: balancing plans for that swarm."""
+    if r.moving_to is None:
+        return r
+    return replace(r, start=r.moving_to[0], end=r.moving_to[1], moving_to=None)
+
+
+def layer_throughputs(records: Iterable[PeerRecord], num_layers: int) -> list[float]:
+    """Summed throughput of the serving (online or joining) peers at each layer; backups add nothing."""
+    totals = [0.0] * num_layers
+    for r in map(planned, records):
+        if r.serving:
+            for layer in range(r.start, min(r.end, num_layers)):
+                totals[layer] += r.throughput
+    return totals
+
+
+def layer_replicas(records: Iterable[PeerRecord], num_layers: int, states: tuple[PeerState, ...]) -> list[int]:
+    counts = [0] * num_layers
+    for r in map(planned, records):
+        if r.state in states:
+            for layer in range(r.start, min(r.end, num_layers)):
+                counts[layer] += 1
+    return counts
+
+
+def bottleneck(records: Iterable[PeerRecord], num_layers: int) -> float:
+    return min(layer_throughputs(records, num_layers), default=0.0)
+
+
+def _leximin(totals: list[float]) -> tuple[float, ...]:
+    return tuple(sorted(round(t, PRECISION) for t in totals))
+
+
+def _boundaries(records: list[PeerRecord], num_layers: int) -> tuple[set[int], set[int]]:
+    """Layers where a hop may start (after someone's end) and where one may end (before someone's start)."""
+    serving = [r for r in map(planned, records) if r.serving and r.end <= num_layers]
+    covered = [t > 0 for t in layer_throughputs(serving, num_layers)]
+    starts = {0} | {r.end for r in serving if r.end < num_layers}
+    ends = {num_layers} | {r.start for r in serving if r.start > 0}
+    for layer in range(num_layers):
+        if not covered[layer]:
+            # inside a gap, a hop may end anywhere: whoever fills the rest starts where it ended
+            ends.add(layer + 1)
+            if layer == 0 or covered[layer - 1]:
+                starts.add(layer)
+    return starts, ends
+
+
+def _candidates(records: list[PeerRecord], num_layers: int, max_layers: int) -> list[tuple[int, int]]:
+    starts, ends = _boundaries(records, num_layers)
+    spans = [(a, b) for a in sorted(starts) for b in sorted(ends) if 0 < b - a <= max_layers]
+    if spans:
+        return spans
+    # Nothing chains within this peer's memory: start after a boundary and let others chain after it.
+    return [(a, min(a + max_layers, num_layers)) for a in sorted(starts)]
+
+
+def _score(totals: list[float], start: int, end: int, added: float, boundaries: set[int]):
+    after = list(totals)
+    for layer in range(start, end):
+        after[layer] += added
+    aligned = (start in boundaries) + (end in boundaries)
+    return _leximin(after), aligned, -start
+
+
+def choose_range(records: list[PeerRecord], num_layers: int, me: Capacity) -> tuple[int, int]:
+    """The contiguous range that most raises the swarm's per-layer throughputs (leximin)."""
+    if num_layers < 1 or me.max_layers < 1:
+        raise ValueError("num_layers and max_layers must be positive")
+    totals = layer_throughputs(records, num_layers)
+    bounds = {0, num_layers} | {x for r in map(planned, records) if r.serving for x in (r.start, r.end)}
+    best = max(
+        _candidates(records, num_layers, me.max_layers),
+        key=lambda ab: _score(totals, ab[0], ab[1], me.throughput(ab[1] - ab[0]), bounds),
+    )
+    return best
+
+
+def with_peer(records: list[PeerRecord], peer_id: str, start: int, end: int, me: Capacity) -> list[PeerRecord]:
+    """The records as they would be with this peer serving [start, end)."""
+    others = [r for r in records if r.peer_id != peer_id]
+    return others + [PeerRecord("", peer_id, [], start, end, PeerState.ONLINE, me.compute_rate, me.network_rate, "")]
+
+
+def utilization(records: list[PeerRecord], num_layers: int) -> float:
+    """The busiest layer's demand over its capacity (0 for an idle swarm)."""
+    totals = layer_throughputs(records, num_layers)
+    demand = [0.0] * num_layers
+    for r in map(planned, records):
+        if r.serving:
+            for layer in range(r.start, min(r.end, num_layers)):
+                demand[layer] += r.load
+    return max((d / t for d, t in zip(demand, totals) if t > 0), default=0.0)
+
+
+def stage_most_at_risk(records: list[PeerRecord], num_layers: int, max_layers: int) -> tuple[int, int] | None:
+    """The served stage with the fewest replicas (backups included), then the least throughput."""
+    current = [planned(r) for r in records]
+    stages = sorted({(r.start, r.end) for r in current if r.serving and r.span <= max_layers and r.end <= num_layers})
+    if not stages:
+        return None
+    totals = layer_throughputs(records, num_layers)
+    replicas = layer_replicas(records, num_layers, (PeerState.ONLINE, PeerState.JOINING, PeerState.BACKUP))
+    return min(stages, key=lambda s: (min(replicas[s[0]:s[1]]), round(min(totals[s[0]:s[1]]), PRECISION), s))
+
+
+@dataclass(frozen=True)
+class JoinPolicy:
+    min_gain: float = 0.10  # a new server must raise the bottleneck by this fraction, or be needed by demand
+    busy: float = 0.5  # a layer whose demand passes this share of its capacity needs more servers
+
+
+def place_peer(
+    records: list[PeerRecord], num_layers: int, me: Capacity, peer_id: str, policy: JoinPolicy = JoinPolicy()
+) -> Placement:
+    """Serve where it helps most; when every layer already has enough throughput, keep a stage warm instead.
+
+    "Enough" means: every layer is served, this peer would raise the bottleneck by less than
+    `policy.min_gain`, and no layer is busier than `policy.busy` of its capacity.
+    """
+    others = [r for r in records if r.peer_id != peer_id]
+    start, end = choose_range(others, num_layers, me)
+    before = bottleneck(others, num_layers)
+    if before <= 0:
+        return Placement(start, end)
+    gain = bottleneck(with_peer(others, peer_id, start, end, me), num_layers) / before - 1
+    if gain >= policy.min_gain or utilization(others, num_layers) >= policy.busy:
+        return Placement(start, end)
+    stage = stage_most_at_risk(others, num_layers, me.max_layers)
+    return Placement(*stage, backup=True) if stage is not None else Placement(start, end)

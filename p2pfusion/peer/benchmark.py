@@ -1,0 +1,129 @@
+"""Measure what this peer can offer: compute per layer, layers that fit in memory, link speed.
+
+Compute and memory results are cached on disk, keyed by model, device and dtype, so a restart
+does not measure again (`--throughput eval` forces it). Links are measured at every start, to
+peers of the swarm it joins, over our own transport: there is no speed-test server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from p2pfusion.models.source import ModelSource, cache_root, safe_name
+from p2pfusion.models.stage import load_config, load_stage
+
+log = logging.getLogger(__name__)
+
+PROBE_LAYERS = 4  # timed together, so per-call overhead is shared as in a real stage
+PREFILL_TOKENS = 16
+DECODE_STEPS = 24
+BATCH_TOKENS = 128
+KV_SESSIONS = 8  # sessions of full length whose KV cache a peer keeps room for
+MEMORY_SHARE = 0.8  # of the free memory, the share weights and caches may take
+
+
+@dataclass(frozen=True)
+class ComputeBenchmark:
+    decode_rate: float  # one-token steps per second through one layer, with a KV cache
+    batch_rate: float  # tokens per second through one layer, in a 1x128 forward
+    max_layers: int  # layers that fit in memory, with room for KV caches
+    device_name: str
+
+
+def device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    if device == "mps":
+        return "Apple MPS"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def free_memory(device: str) -> int:
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _cache_path(source: ModelSource, device: str, dtype: torch.dtype) -> Path:
+    return cache_root() / "benchmarks" / f"{safe_name(f'{source.name}-{device}-{dtype}')}.json"
+
+
+def _timed(fn, bar: tqdm) -> float:
+    t0 = time.perf_counter()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    bar.update(1)
+    return time.perf_counter() - t0
+
+
+def measure_compute(source: ModelSource, device: str, dtype: torch.dtype) -> ComputeBenchmark:
+    config = load_config(source)
+    layers = min(PROBE_LAYERS, config.num_hidden_layers)
+    stage = load_stage(source, 0, layers, dtype, device)
+    hidden = config.hidden_size
+    with tqdm(total=DECODE_STEPS + 3, desc="benchmarking compute", unit="step", file=sys.stderr, leave=False) as bar:
+        cache = stage.new_cache()
+        stage.forward(torch.randn(1, PREFILL_TOKENS, hidden, dtype=dtype), 0, cache)
+        step_times = [
+            _timed(lambda i=i: stage.forward(torch.randn(1, 1, hidden, dtype=dtype), PREFILL_TOKENS + i, cache), bar)
+            for i in range(DECODE_STEPS)
+        ]
+        batch = torch.randn(1, BATCH_TOKENS, hidden, dtype=dtype)
+        batch_times = [_timed(lambda: stage.forward(batch, 0, None), bar) for _ in range(3)]
+    # the median step: the first ones warm caches up, and a shared machine has bad moments
+    decode_rate = layers / statistics.median(step_times)
+    batch_rate = layers * BATCH_TOKENS / min(batch_times)
+    layer_bytes = stage.parameter_bytes() / layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    max_length = getattr(config, "max_position_embeddings", 2048)
+    kv_bytes = 2 * kv_heads * head_dim * dtype.itemsize * max_length * KV_SESSIONS
+    fit = int(free_memory(device) * MEMORY_SHARE // (layer_bytes + kv_bytes))
+    return ComputeBenchmark(decode_rate, batch_rate, max(1, min(fit, config.num_hidden_layers)), device_name(device))
+
+
+def compute_benchmark(source: ModelSource, device: str, dtype: torch.dtype, force: bool = False) -> ComputeBenchmark:
+    """The cached measurement for this model, device and dtype, or a new one."""
+    path = _cache_path(source, device, dtype)
+    if not force:
+        try:
+            cached = ComputeBenchmark(**json.loads(path.read_text()))
+            log.info("reusing the compute benchmark in %s", path)
+            return cached
+        except (OSError, ValueError, TypeError):
+            pass
+    result = measure_compute(source, device, dtype)
+    log.info(
+        "benchmark: %.0f layer-steps/s decoding, %.0f layer-tokens/s in batches; %d layers fit",
+        result.decode_rate, result.batch_rate, result.max_layers,
+    )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(result)))
+    except OSError as exc:
+        log.warning("cannot cache the benchmark in %s: %s", path, exc)
+    return result

@@ -1,0 +1,38 @@
+"""Run a peer as a service: start it, keep up its duties, and leave cleanly on SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.peer.runtime import Peer, PeerOptions
+from p2pfusion.peer.upkeep import Upkeep
+
+log = logging.getLogger(__name__)
+
+
+async def serve(options: PeerOptions, on_ready=None) -> None:
+    """Run a peer until SIGINT or SIGTERM. `on_ready(maddrs)` is called once it serves."""
+    swarm = await join_swarm(options.initial_peers, options.host, options.port, options.identity)
+    peer = Peer(options, swarm)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await peer.start()
+        maddrs = await swarm.maddrs()
+        if options.address_file is not None:
+            tmp = options.address_file.with_suffix(".tmp")
+            tmp.write_text("\n".join(maddrs) + "\n")
+            tmp.replace(options.address_file)
+        if on_ready is not None:
+            on_ready(maddrs)
+        async with Upkeep(peer):
+            await stop.wait()
+        log.info("leaving the swarm")
+        await peer.leave()
+    finally:
+        await swarm.shutdown()

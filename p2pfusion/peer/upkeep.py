@@ -1,0 +1,134 @@
+"""A peer's periodic duties while it serves: refresh its record, watch its stage, rebalance.
+
+- Refresh: re-announce before the record expires, with the load it carried lately.
+- Watch (every few seconds): a backup promotes itself when its stage loses a peer; a serving peer
+  moves to close a gap in coverage that nobody else closes.
+- Rebalance (every couple of minutes, with random jitter so peers do not all move at once): move
+  when the cost model says the swarm gains more than the reload costs.
+Each move is re-checked against fresh records after a random delay: another peer may have acted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+
+from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.peer.backup import (
+    PROMOTION_STAGGER,
+    promotion_rank,
+    replaced,
+    stage_servers,
+)
+from p2pfusion.peer.balance import layer_throughputs, place_peer
+from p2pfusion.peer.rebalance import plan_move
+from p2pfusion.peer.runtime import Peer
+
+log = logging.getLogger(__name__)
+
+LOAD_EMA = 0.5
+GAP_JITTER = 3.0  # seconds; spreads the peers that would close the same gap
+
+
+class Upkeep:
+    def __init__(self, peer: Peer):
+        self.peer = peer
+        self.tasks: list[asyncio.Task] = []
+        self._stage_before: set[str] | None = None
+        self._tokens = 0
+        self._tick = time.monotonic()
+
+    async def __aenter__(self) -> Upkeep:
+        self.tasks = [asyncio.create_task(self._every(fn, period)) for fn, period in (
+            (self.refresh, self.peer.options.refresh_period),
+            (self.watch, self.peer.options.watch_period),
+            (self.rebalance, self.peer.options.rebalance_period),
+        )]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def _every(self, fn, period: float) -> None:
+        while True:
+            await asyncio.sleep(period * random.uniform(0.8, 1.2) if fn == self.rebalance else period)
+            try:
+                await fn()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one failed round must not stop the duty; the next round retries
+                log.warning("%s failed", fn.__name__, exc_info=True)
+
+    async def refresh(self) -> None:
+        server = self.peer.server
+        now = time.monotonic()
+        rate = (server.tokens_done - self._tokens) / max(now - self._tick, 1e-9)
+        self._tokens, self._tick = server.tokens_done, now
+        load = LOAD_EMA * self.peer.record.load + (1 - LOAD_EMA) * rate
+        await self.peer.announce(load=load)
+
+    async def _snapshot(self) -> tuple[list[PeerRecord], set[str]]:
+        records, gone = await self.peer.live_records()
+        mine = self.peer.record
+        # our own record, as we know it now, replaces whatever the DHT returned for us
+        others = [r for r in records if r.peer_id != mine.peer_id]
+        return others + [mine], gone
+
+    async def watch(self) -> None:
+        records, gone = await self._snapshot()
+        mine = self.peer.record
+        if mine.state == PeerState.BACKUP:
+            await self._watch_stage(records, gone)
+        elif mine.state == PeerState.ONLINE and min(layer_throughputs(records, self.peer.num_layers)) <= 0:
+            await self._maybe_move(min_gain=0.0)
+
+    async def _watch_stage(self, records: list[PeerRecord], gone: set[str]) -> None:
+        mine = self.peer.record
+        servers = stage_servers(records, mine.start, mine.end, gone)
+        before, self._stage_before = self._stage_before, servers
+        uncovered = min(layer_throughputs(records, self.peer.num_layers)[mine.start:mine.end]) <= 0
+        lost = before is not None and bool(before - servers)
+        if not (lost or uncovered):
+            return
+        rank = promotion_rank(records, mine)
+        log.info("stage %d:%d lost a peer; promotion rank %d", mine.start, mine.end, rank)
+        await asyncio.sleep(rank * PROMOTION_STAGGER)
+        records, gone = await self._snapshot()
+        if rank > 0 and replaced(before or set(), records, mine.start, mine.end, gone):
+            log.info("another backup took over stage %d:%d", mine.start, mine.end)
+            self._stage_before = stage_servers(records, mine.start, mine.end, gone)
+            return
+        await self.peer.announce(state=PeerState.ONLINE)
+        log.info("promoted: now serving layers %d:%d", mine.start, mine.end)
+
+    async def rebalance(self) -> None:
+        mine = self.peer.record
+        if mine.state == PeerState.BACKUP:
+            records, _ = await self._snapshot()
+            placement = place_peer(records, self.peer.num_layers, self.peer.capacity, mine.peer_id)
+            if not placement.backup and (placement.start, placement.end) == (mine.start, mine.end):
+                log.info("demand needs this backup's stage: serving it")
+                await self.peer.announce(state=PeerState.ONLINE)
+        elif mine.state == PeerState.ONLINE:
+            await self._maybe_move(min_gain=0.05)
+
+    async def _maybe_move(self, min_gain: float) -> None:
+        """Move if the cost model says so, now and again after a jittered pause."""
+        if self.peer.options.layers is not None:
+            return  # the user chose these layers
+        for attempt in range(2):
+            records, _ = await self._snapshot()
+            move = plan_move(
+                records, self.peer.num_layers, self.peer.record, self.peer.capacity,
+                self.peer.reload_seconds_per_layer, time.monotonic() - self.peer.started, min_gain,
+            )
+            if move is None:
+                return
+            if attempt == 0:
+                await asyncio.sleep(random.uniform(0, GAP_JITTER))
+        log.info("rebalancing: gain %.2f, benefit %.0f tokens, cost %.0f tokens", move.gain, move.benefit, move.cost)
+        await self.peer.move(move.start, move.end, move.overlap)

@@ -1,0 +1,148 @@
+"""Load balancing, rebalancing and backup promotion: pure functions, on many swarm shapes."""
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2pfusion.dht.records import PeerState
+from p2pfusion.peer.backup import lost_servers, promotion_rank, replaced
+from p2pfusion.peer.balance import (
+    Capacity, bottleneck, choose_range, layer_throughputs, place_peer, with_peer,
+)
+from p2pfusion.peer.rebalance import plan_move
+from tests.policy_records import rec
+
+L = 12
+spans = st.lists(
+    st.tuples(st.integers(0, L - 1), st.integers(1, L), st.floats(0.5, 20.0)), min_size=0, max_size=7
+)
+capacities = st.builds(Capacity, st.floats(1.0, 200.0), st.none(), st.integers(1, L))
+
+
+def records_of(raw):
+    return [rec(a, b, throughput=t, name=f"p{i}") for i, (a, b, t) in enumerate(raw) if a < b]
+
+
+def covered(records):
+    return {i for i, t in enumerate(layer_throughputs(records, L)) if t > 0}
+
+
+def test_first_peers_tile_an_empty_swarm():
+    me = Capacity(compute_rate=10.0, network_rate=None, max_layers=10)
+    records = []
+    for i in range(3):
+        start, end = choose_range(records, 30, me)
+        records.append(rec(start, end, throughput=me.throughput(end - start), name=f"p{i}"))
+    assert [(r.start, r.end) for r in records] == [(0, 10), (10, 20), (20, 30)]
+
+
+@given(st.integers(1, 4), st.sampled_from([(30, 3), (12, 4), (12, 2)]))
+def test_equal_peers_spread_evenly(per_stage, shape):
+    num_layers, stages = shape
+    me = Capacity(compute_rate=10.0, network_rate=None, max_layers=num_layers // stages)
+    records = []
+    for i in range(per_stage * stages):
+        start, end = choose_range(records, num_layers, me)
+        records.append(rec(start, end, throughput=me.throughput(end - start), name=f"p{i}"))
+    ranges = [(r.start, r.end) for r in records]
+    assert sorted(set(ranges)) == [(s * num_layers // stages, (s + 1) * num_layers // stages) for s in range(stages)]
+    assert all(ranges.count(r) == per_stage for r in set(ranges))
+
+
+def test_a_new_peer_picks_the_weak_stage():
+    records = [rec(0, 10, throughput=8.0), rec(10, 20, throughput=1.0), rec(20, 30, throughput=8.0)]
+    me = Capacity(compute_rate=40.0, network_rate=None, max_layers=10)
+    assert choose_range(records, 30, me) == (10, 20)
+    assert not place_peer(records, 30, me, "new").backup
+
+
+def test_slow_links_cap_what_a_peer_adds():
+    me = Capacity(compute_rate=1000.0, network_rate=5.0, max_layers=30)
+    assert me.throughput(10) == 5.0 and me.throughput(1) == 5.0
+
+
+@settings(max_examples=300)
+@given(spans, capacities)
+def test_joining_never_uncovers_a_layer_nor_lowers_the_bottleneck(raw, me):
+    records = records_of(raw)
+    start, end = choose_range(records, L, me)
+    assert 0 <= start < end <= L and end - start <= me.max_layers
+    after = with_peer(records, "new", start, end, me)
+    assert covered(after) >= covered(records)
+    assert bottleneck(after, L) >= bottleneck(records, L)
+
+
+@settings(max_examples=300)
+@given(spans, st.integers(0, 6), st.floats(0.01, 5.0), st.floats(0.0, 7200.0), capacities)
+def test_rebalancing_never_uncovers_repeats_or_worsens(raw, index, reload, uptime, cap):
+    records = records_of(raw)
+    if not records:
+        return
+    me = records[index % len(records)]
+    cap = Capacity(me.compute_rate, None, max(cap.max_layers, me.span))
+    move = plan_move(records, L, me, cap, reload, uptime)
+    if move is None:
+        return
+    assert (move.start, move.end) != (me.start, me.end)
+    after = with_peer(records, me.peer_id, move.start, move.end, cap)
+    assert covered(after) >= covered(records)
+    assert bottleneck(after, L) > bottleneck(records, L)
+    assert move.benefit > move.cost
+
+
+def test_a_move_pays_only_if_the_reload_is_short_against_the_expected_stay():
+    records = [rec(0, 6, throughput=4.0, name="p0", load=1.0), rec(0, 6, throughput=4.0, name="p1"), rec(6, 12)]
+    me = records[0]
+    tight = Capacity(me.compute_rate, None, max_layers=6)  # cannot hold both ranges: a gap while reloading
+    roomy = Capacity(me.compute_rate, None, max_layers=12)
+    overlapped = plan_move(records, L, me, roomy, reload_seconds_per_layer=1.0, uptime=60.0)
+    assert overlapped is not None and overlapped.overlap and overlapped.cost == 0
+    assert plan_move(records, L, me, tight, reload_seconds_per_layer=100.0, uptime=60.0) is None
+    fast = plan_move(records, L, me, tight, reload_seconds_per_layer=0.1, uptime=600.0)
+    assert fast is not None and not fast.overlap and 0 < fast.cost < fast.benefit
+
+
+def test_a_balanced_swarm_stays_put():
+    records = [rec(0, 6, throughput=2.0, name="a"), rec(6, 12, throughput=2.0, name="b")]
+    cap = Capacity(records[0].compute_rate, None, 12)
+    assert plan_move(records, L, records[0], cap, 1.0, 3600.0) is None
+
+
+def test_peers_moving_count_where_they_are_going():
+    records = [rec(0, 6, name="a", moving_to=(6, 12)), rec(0, 6, name="b")]
+    assert layer_throughputs(records, L) == [1.0] * L
+    # without the move, a joiner would see 6:12 empty and take it; with it, the swarm is balanced
+    me = Capacity(compute_rate=6.0, network_rate=None, max_layers=6)
+    assert place_peer(records, L, me, "new").backup
+
+
+def test_backups_go_to_the_stage_most_at_risk_when_throughput_suffices():
+    records = [
+        rec(0, 6, throughput=2.0, name="a"), rec(0, 6, throughput=2.0, name="a2"),
+        rec(6, 12, throughput=2.0, name="b"), rec(6, 12, throughput=2.0, name="b2"),
+    ]
+    me = Capacity(compute_rate=6.0, network_rate=None, max_layers=6)
+    first = place_peer(records, L, me, "new")
+    assert first.backup and (first.start, first.end) == (0, 6)
+    records.append(rec(0, 6, PeerState.BACKUP, name="new"))
+    second = place_peer(records, L, me, "newer")
+    assert second.backup and (second.start, second.end) == (6, 12)
+
+
+def test_demand_makes_a_joining_peer_serve_instead_of_waiting():
+    busy = [rec(0, 6, throughput=2.0, name="a", load=1.5), rec(6, 12, throughput=2.0, name="b", load=1.5)]
+    me = Capacity(compute_rate=6.0, network_rate=None, max_layers=6)
+    assert not place_peer(busy, L, me, "new").backup
+
+
+def test_one_backup_promotes_per_loss():
+    stage = [rec(0, 6, PeerState.BACKUP, throughput=t, name=n) for n, t in (("b1", 1.0), ("b2", 3.0), ("b3", 1.0))]
+    ranks = {r.peer_id: promotion_rank(stage, r) for r in stage}
+    assert ranks == {"b2": 0, "b1": 1, "b3": 2}
+    before = {"a"}
+    after_loss = [rec(0, 6, PeerState.OFFLINE, name="a"), *stage]
+    assert lost_servers(before, after_loss, 0, 6, gone=set()) == {"a"}
+    assert not replaced(before, after_loss, 0, 6, gone=set())
+    promoted = [rec(0, 6, PeerState.ONLINE, throughput=3.0, name="b2"), stage[0], stage[2]]
+    assert replaced(before, promoted, 0, 6, gone=set())
+    # a peer reported unreachable and confirmed gone counts as lost, even while its record lives on
+    assert lost_servers(before, [rec(0, 6, name="a")], 0, 6, gone={"a"}) == {"a"}
