@@ -14,7 +14,7 @@ import torch
 from hivemind.p2p import P2P, PeerID
 
 from p2pfusion.dht.records import PeerRecord
-from p2pfusion.errors import PeerFailed, RequestError, RouteError
+from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
 
@@ -52,11 +52,7 @@ class InferenceSession:
             header, _ = await asyncio.wait_for(read_frame(reader), OPEN_TIMEOUT)
         except (TimeoutError, EOFError, FrameError, ConnectionError) as exc:
             raise PeerFailed(f"peer {record.peer_id} did not answer: {exc!r}", record.peer_id) from exc
-        reply = m.from_header(header)
-        if isinstance(reply, m.Error):
-            if reply.failed_peer is not None:
-                raise PeerFailed(reply.message, reply.failed_peer)
-            raise RouteError(reply.message)
+        m.raise_for_error(m.from_header(header))
 
     async def open(self) -> InferenceSession:
         try:
@@ -117,9 +113,7 @@ class InferenceSession:
             if isinstance(reply, m.Leaving):
                 self.leaving.add(reply.peer_id)
             elif isinstance(reply, m.Error):
-                if reply.failed_peer is not None:
-                    raise PeerFailed(f"swarm error: {reply.message}", reply.failed_peer)
-                raise RouteError(f"swarm error: {reply.message}")
+                m.raise_for_error(reply)
             elif isinstance(reply, m.Result) and reply.step == self._step:
                 self.position += hidden.shape[1]
                 self.timings = reply.timings

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from p2pfusion.errors import RequestError
+from p2pfusion.errors import PeerFailed, RequestError
 
 PROTOCOL = "p2pfusion.inference.v1"
 
@@ -136,6 +136,14 @@ def from_header(header: dict[str, Any]) -> Any:
     if cls is Leaving:
         return Leaving(peer_id=_typed(header.get("peer_id"), str, "peer_id"))
     return cls()
+
+
+def raise_for_error(reply: Any) -> None:
+    """Raise an Error reply: PeerFailed when it names a failed peer (route around it), else RequestError."""
+    if isinstance(reply, Error):
+        if reply.failed_peer is not None:
+            raise PeerFailed(reply.message, reply.failed_peer)
+        raise RequestError(reply.message)
 
 
 def _timings(raw: Any) -> list[tuple[str, float]]:

@@ -56,7 +56,8 @@ class Peer:
         self.options = options
         self.swarm = swarm
         self.model = options.source.name
-        self.num_layers = load_config(options.source).num_hidden_layers
+        self.config = load_config(options.source)
+        self.num_layers = self.config.num_hidden_layers
         self.server: StageServer | None = None
         self.record: PeerRecord | None = None
         self.capacity: Capacity | None = None
@@ -97,8 +98,7 @@ class Peer:
                 log.info("could not measure the link to %s: %r", record.peer_id, exc)
         if not speeds:
             return None, None
-        config = load_config(self.options.source)
-        bytes_per_token = config.hidden_size * self.options.dtype.itemsize
+        bytes_per_token = self.config.hidden_size * self.options.dtype.itemsize
         rate = statistics.median(s.bytes_per_second for s in speeds) / bytes_per_token
         return rate, statistics.median(s.rtt for s in speeds)
 

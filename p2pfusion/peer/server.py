@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from hivemind.p2p import P2P, PeerID
 
-from p2pfusion.errors import RequestError
+from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
@@ -23,14 +23,6 @@ from p2pfusion.net.framing import FrameError, read_frame, write_frame
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_WAIT = 10.0
-
-
-class HopUnreachable(RequestError):
-    """The next hop of a route did not answer: the client should route around that peer."""
-
-    def __init__(self, message: str, peer_id: str):
-        super().__init__(message)
-        self.peer_id = peer_id
 
 
 @dataclass
@@ -88,7 +80,7 @@ class StageServer:
                 raise RequestError(f"unknown session: a {message.kind!r} message came before 'open'")
         except EOFError:
             pass
-        except HopUnreachable as exc:
+        except PeerFailed as exc:
             log.warning("%s", exc)
             await _send_quietly(writer, m.Error(message=str(exc), failed_peer=exc.peer_id))
         except RequestError as exc:
@@ -118,7 +110,7 @@ class StageServer:
             raise RequestError(f"open: route names peer {hop.peer_id}, not this one")
         if (hop.start, hop.end) != (self.stage.start, self.stage.end):
             # the client's view of the swarm is stale (this peer moved): it should look again
-            raise HopUnreachable(
+            raise PeerFailed(
                 f"open: this peer serves layers {self.stage.start}:{self.stage.end}, not {hop.start}:{hop.end}",
                 self.peer_id,
             )
@@ -127,7 +119,7 @@ class StageServer:
         if msg.session_id in self.sessions:
             raise RequestError(f"open: session {msg.session_id} already exists")
         if self.draining:
-            raise HopUnreachable("open: this peer is leaving the swarm", self.peer_id)
+            raise PeerFailed("open: this peer is leaving the swarm", self.peer_id)
 
     async def _serve_session(self, msg: m.Open, reader, writer) -> None:
         self._check_open(msg)
@@ -160,12 +152,8 @@ class StageServer:
             await write_frame(writer, m.to_header(m.Open(msg.session_id, msg.max_length, msg.route[1:])))
             header, _ = await read_frame(reader)
         except Exception as exc:
-            raise HopUnreachable(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
-        reply = m.from_header(header)
-        if isinstance(reply, m.Error):
-            if reply.failed_peer is not None:
-                raise HopUnreachable(reply.message, reply.failed_peer)
-            raise RequestError(reply.message)
+            raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
+        m.raise_for_error(m.from_header(header))
         session.downstream = writer
         session.relay = asyncio.create_task(_relay_errors(reader, upstream, nxt.peer_id))
 

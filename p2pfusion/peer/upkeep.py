@@ -18,6 +18,7 @@ import time
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.peer.backup import (
     PROMOTION_STAGGER,
+    lost_servers,
     promotion_rank,
     replaced,
     stage_servers,
@@ -41,10 +42,11 @@ class Upkeep:
         self._tick = time.monotonic()
 
     async def __aenter__(self) -> Upkeep:
-        self.tasks = [asyncio.create_task(self._every(fn, period)) for fn, period in (
-            (self.refresh, self.peer.options.refresh_period),
-            (self.watch, self.peer.options.watch_period),
-            (self.rebalance, self.peer.options.rebalance_period),
+        options = self.peer.options
+        self.tasks = [asyncio.create_task(self._every(fn, period, jitter)) for fn, period, jitter in (
+            (self.refresh, options.refresh_period, 0.0),
+            (self.watch, options.watch_period, 0.0),
+            (self.rebalance, options.rebalance_period, 0.2),  # so peers do not all move at once
         )]
         return self
 
@@ -53,9 +55,9 @@ class Upkeep:
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
-    async def _every(self, fn, period: float) -> None:
+    async def _every(self, fn, period: float, jitter: float) -> None:
         while True:
-            await asyncio.sleep(period * random.uniform(0.8, 1.2) if fn == self.rebalance else period)
+            await asyncio.sleep(period * random.uniform(1 - jitter, 1 + jitter))
             try:
                 await fn()
             except asyncio.CancelledError:
@@ -88,10 +90,9 @@ class Upkeep:
 
     async def _watch_stage(self, records: list[PeerRecord], gone: set[str]) -> None:
         mine = self.peer.record
-        servers = stage_servers(records, mine.start, mine.end, gone)
-        before, self._stage_before = self._stage_before, servers
+        before, self._stage_before = self._stage_before, stage_servers(records, mine.start, mine.end, gone)
         uncovered = min(layer_throughputs(records, self.peer.num_layers)[mine.start:mine.end]) <= 0
-        lost = before is not None and bool(before - servers)
+        lost = before is not None and bool(lost_servers(before, records, mine.start, mine.end, gone))
         if not (lost or uncovered):
             return
         rank = promotion_rank(records, mine)
