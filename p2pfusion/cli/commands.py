@@ -37,6 +37,7 @@ async def run_peer(args, device: str) -> None:
         device=device,
         host=args.host,
         port=args.port,
+        data_port=args.data_port,
         identity=args.identity,
         address_file=args.address_file,
         max_length=args.max_length,

@@ -74,7 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--gpu", type=int, metavar="N", help="serve on CUDA device N")
     where.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
     peer.add_argument("--host", default="127.0.0.1", help="IP address to listen on")
-    peer.add_argument("--port", type=int, default=0, help="TCP port (0 picks a free one)")
+    peer.add_argument("--port", type=int, default=0, help="libp2p TCP port (0 picks a free one)")
+    peer.add_argument(
+        "--data-port", type=int, default=0, help="TCP port of direct TLS connections for hidden states (0 picks one)"
+    )
     peer.add_argument("--identity", help="file holding this peer's key (created if missing)")
     peer.add_argument("--address-file", type=Path, help="write this peer's multiaddrs here once serving")
     peer.add_argument("--max-length", type=int, default=2048, help="longest session accepted, in tokens")

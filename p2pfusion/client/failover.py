@@ -65,7 +65,7 @@ class ResilientSession:
                 route = find_route(
                     records, self.num_layers, self.health.observed, self.health.banned() | self._avoid, recovering
                 )
-                self.session = await InferenceSession(self.swarm.p2p, route, self.max_length).open()
+                self.session = await InferenceSession(self.swarm.transport, route, self.max_length).open()
                 return
             except PeerFailed as exc:
                 self._failed(exc)

@@ -22,7 +22,7 @@ async def observe_peer(
     swarm: SwarmNode, record: PeerRecord, hidden_size: int, health: PeerHealth, dtype: torch.dtype = torch.float32
 ) -> float:
     """Time one-token steps through `record`'s layers; update `health` and return its layer-rate."""
-    session = await InferenceSession(swarm.p2p, [record], PROBE_STEPS + 1).open()
+    session = await InferenceSession(swarm.transport, [record], PROBE_STEPS + 1).open()
     try:
         await session.step(torch.randn(1, 1, hidden_size, dtype=dtype))
         t0 = time.perf_counter()

@@ -11,20 +11,20 @@ import time
 import uuid
 
 import torch
-from hivemind.p2p import P2P, PeerID
 
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
+from p2pfusion.net.transport import Transport
 
 OPEN_TIMEOUT = 15.0
 STEP_TIMEOUT = 60.0
 
 
 class InferenceSession:
-    def __init__(self, p2p: P2P, route: list[PeerRecord], max_length: int):
-        self.p2p = p2p
+    def __init__(self, transport: Transport, route: list[PeerRecord], max_length: int):
+        self.transport = transport
         self.route = route
         self.max_length = max_length
         self.session_id = uuid.uuid4().hex
@@ -40,9 +40,7 @@ class InferenceSession:
 
     async def _connect(self, record: PeerRecord):
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(record.peer_id), m.PROTOCOL), OPEN_TIMEOUT
-            )
+            reader, writer = await self.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL, OPEN_TIMEOUT)
         except Exception as exc:
             raise PeerFailed(f"peer {record.peer_id} ({record.start}:{record.end}) unreachable: {exc!r}", record.peer_id) from exc
         return reader, writer
@@ -60,7 +58,7 @@ class InferenceSession:
             await write_frame(self._sink, m.to_header(m.Subscribe(self.session_id)))
             await self._expect_ack(sink_reader, self.route[-1])
             head_reader, self._head = await self._connect(self.route[0])
-            hops = [m.Hop(r.peer_id, r.maddrs, r.start, r.end) for r in self.route]
+            hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
             await write_frame(self._head, m.to_header(m.Open(self.session_id, self.max_length, hops)))
             await self._expect_ack(head_reader, self.route[0])
         except BaseException:

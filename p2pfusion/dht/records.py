@@ -12,7 +12,7 @@ and `network_rate` (hidden states per second its links carry; None when not meas
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
@@ -30,6 +30,9 @@ def span_throughput(compute_rate: float, network_rate: float | None, span: int) 
     return compute if network_rate is None else min(compute, network_rate)
 
 
+MAX_DATA_ADDRS = 8
+
+
 @dataclass(frozen=True)
 class PeerRecord:
     model: str
@@ -45,6 +48,7 @@ class PeerRecord:
     batch_rate: float = 0.0  # tokens/s through one layer in a batch forward
     rtt: float | None = None  # seconds, to the peers it measured
     moving_to: tuple[int, int] | None = None  # a range it is loading, to serve instead of this one
+    data_addrs: list[str] = field(default_factory=list)  # host:port of its direct TLS listener
 
     @property
     def span(self) -> int:
@@ -86,6 +90,7 @@ class PeerRecord:
                 batch_rate=float(value.get("batch_rate", 0.0)),
                 rtt=None if value.get("rtt") is None else float(value["rtt"]),
                 moving_to=None if moving is None else (int(moving[0]), int(moving[1])),
+                data_addrs=[str(a) for a in value.get("data_addrs", [])][:MAX_DATA_ADDRS],
             )
         except (KeyError, TypeError, ValueError, IndexError):
             return None

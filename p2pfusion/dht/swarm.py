@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -20,22 +19,26 @@ from p2pfusion.dht.records import (
     unreachable_key,
 )
 from p2pfusion.errors import RouteError
+from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
 
 RECORD_TTL = 30.0
-JOIN_TIMEOUT = 20.0
 
 
 @dataclass
 class SwarmNode:
-    p2p: P2P
+    transport: Transport
     dht: DHTNode
     validator: RSASignatureValidator
 
     @property
+    def p2p(self) -> P2P:
+        return self.transport.p2p
+
+    @property
     def peer_id(self) -> str:
-        return self.p2p.peer_id.to_base58()
+        return self.transport.peer_id
 
     async def maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
@@ -83,7 +86,7 @@ class SwarmNode:
 
     async def shutdown(self) -> None:
         await self.dht.shutdown()
-        await self.p2p.shutdown()
+        await self.transport.shutdown()
 
 
 def _load_identity(identity_path: str | None) -> RSAPrivateKey | None:
@@ -107,30 +110,27 @@ async def join_swarm(
     port: int = 0,
     identity_path: str | None = None,
     client_mode: bool = False,
+    data_port: int = 0,
 ) -> SwarmNode:
-    """Start libp2p and the DHT. An empty `initial_peers` starts a new swarm."""
-    p2p_kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=initial_peers)
-    if identity_path is not None:
-        p2p_kwargs["identity_path"] = identity_path
+    """Start libp2p and the DHT; a peer (not a client) also takes direct connections on `data_port`.
+    An empty `initial_peers` starts a new swarm."""
+    transport = await Transport.start(initial_peers, host, port, identity_path, client_mode)
     try:
-        p2p = await asyncio.wait_for(P2P.create(**p2p_kwargs), JOIN_TIMEOUT)
-    except TimeoutError as exc:
-        raise RouteError(f"cannot reach any initial peer within {JOIN_TIMEOUT:.0f} s: {initial_peers}") from exc
-    except Exception as exc:  # the daemon reports bad addresses and dial failures as assorted errors
-        if "bootstrap" in str(exc):
-            raise RouteError(f"no initial peer is reachable: {', '.join(initial_peers)}") from exc
-        raise RouteError(f"cannot join the swarm through {initial_peers}: {str(exc).splitlines()[0]}") from exc
-    key = _load_identity(identity_path)
-    validator = RSASignatureValidator(key) if key is not None else RSASignatureValidator()
-    try:
+        if not client_mode:
+            await transport.listen(host, data_port)
+        key = _load_identity(identity_path)
+        validator = RSASignatureValidator(key) if key is not None else RSASignatureValidator()
         dht = await DHTNode.create(
-            p2p=p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode
+            p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode
         )
+    except OSError as exc:
+        await transport.shutdown()
+        raise RouteError(f"cannot listen for direct connections on {host}:{data_port}: {exc.strerror or exc}") from exc
     except Exception as exc:
-        await p2p.shutdown()
+        await transport.shutdown()
         raise RouteError(f"cannot join the DHT through {initial_peers}: {exc}") from exc
     if initial_peers and not dht.protocol.routing_table.get_nearest_neighbors(dht.node_id, 1, exclude=None):
         await dht.shutdown()
-        await p2p.shutdown()
+        await transport.shutdown()
         raise RouteError(f"no initial peer answered: {', '.join(initial_peers)}")
-    return SwarmNode(p2p=p2p, dht=dht, validator=validator)
+    return SwarmNode(transport=transport, dht=dht, validator=validator)

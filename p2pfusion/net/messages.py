@@ -26,7 +26,7 @@ PROTOCOL = "p2pfusion.inference.v1"
 @dataclass(frozen=True)
 class Hop:
     peer_id: str
-    maddrs: list[str]
+    data_addrs: list[str]  # where its direct TLS listener is; empty: reach it through libp2p
     start: int
     end: int
 
@@ -101,10 +101,10 @@ def _typed(value: Any, expected: type, name: str) -> Any:
 def _hop(raw: Any) -> Hop:
     if not isinstance(raw, dict):
         raise RequestError("route entries must be maps")
-    maddrs = _typed(raw.get("maddrs"), list, "maddrs")
+    addrs = _typed(raw.get("data_addrs"), list, "data_addrs")
     return Hop(
         peer_id=_typed(raw.get("peer_id"), str, "peer_id"),
-        maddrs=[_typed(m, str, "maddrs") for m in maddrs],
+        data_addrs=[_typed(a, str, "data_addrs") for a in addrs],
         start=_typed(raw.get("start"), int, "start"),
         end=_typed(raw.get("end"), int, "end"),
     )

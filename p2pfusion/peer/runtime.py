@@ -42,6 +42,7 @@ class PeerOptions:
     dtype: torch.dtype = torch.float32
     host: str = "127.0.0.1"
     port: int = 0
+    data_port: int = 0
     identity: str | None = None
     address_file: Path | None = None
     max_length: int = 2048
@@ -72,10 +73,11 @@ class Peer:
         reports = await self.swarm.unreachable_reports(self.model)
         listed = {r.peer_id for r in records if r.state != PeerState.OFFLINE} - {self.swarm.peer_id}
         gone, now = set(), time.monotonic()
+        addrs = {r.peer_id: r.data_addrs for r in records}
         for peer_id in {report.peer_id for report in reports} & listed:
             checked = self._checked.get(peer_id)
             if checked is None or now - checked[0] > VERIFY_TTL:
-                checked = (now, await probe.reachable(self.swarm.p2p, peer_id))
+                checked = (now, await probe.reachable(self.swarm.transport, peer_id, addrs[peer_id]))
                 self._checked[peer_id] = checked
             if not checked[1]:
                 gone.add(peer_id)
@@ -93,7 +95,7 @@ class Peer:
         speeds = []
         for record in others[:LINK_PROBES]:
             try:
-                speeds.append(await probe.measure_link(self.swarm.p2p, record.peer_id))
+                speeds.append(await probe.measure_link(self.swarm.transport, record.peer_id, record.data_addrs))
             except Exception as exc:  # an unreachable peer is simply not measured
                 log.info("could not measure the link to %s: %r", record.peer_id, exc)
         if not speeds:
@@ -112,7 +114,7 @@ class Peer:
         return place_peer(records, self.num_layers, self.capacity, self.swarm.peer_id)
 
     async def start(self) -> None:
-        await probe.serve_probes(self.swarm.p2p)
+        await probe.serve_probes(self.swarm.transport)
         bench = await asyncio.to_thread(self._benchmark)
         records, _ = await self.live_records()
         network_rate, rtt = await self._measure_links(records)
@@ -123,11 +125,11 @@ class Peer:
             model=self.model, peer_id=self.swarm.peer_id, maddrs=await self.swarm.maddrs(),
             start=placement.start, end=placement.end, state=PeerState.JOINING,
             compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
-            batch_rate=bench.batch_rate, rtt=rtt,
+            batch_rate=bench.batch_rate, rtt=rtt, data_addrs=self.swarm.transport.data_addrs,
         )
         await self.announce()
         stage = await self.load(placement.start, placement.end)
-        self.server = StageServer(stage, self.swarm.p2p, self.options.max_length)
+        self.server = StageServer(stage, self.swarm.transport, self.options.max_length)
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"

@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
-from hivemind.p2p import P2P, PeerID
 
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
+from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,10 @@ class Session:
 
 
 class StageServer:
-    def __init__(self, stage: Stage, p2p: P2P, max_length: int = 2048):
+    def __init__(self, stage: Stage, transport: Transport, max_length: int = 2048):
         self.stage = stage
-        self.p2p = p2p
-        self.peer_id = p2p.peer_id.to_base58()
+        self.transport = transport
+        self.peer_id = transport.peer_id
         self.max_length = max_length
         self.tokens_done = 0  # tokens computed since start, for the load this peer announces
         self.sessions: dict[str, Session] = {}
@@ -53,10 +53,10 @@ class StageServer:
         self.draining = False
 
     async def start(self) -> None:
-        await self.p2p.add_binary_stream_handler(m.PROTOCOL, self._handle)
+        await self.transport.add_handler(m.PROTOCOL, self._handle)
 
     async def stop(self) -> None:
-        await self.p2p.remove_binary_stream_handler(m.PROTOCOL)
+        await self.transport.remove_handler(m.PROTOCOL)
         self._compute.shutdown(wait=True)
 
     async def drain(self, timeout: float) -> None:
@@ -68,7 +68,7 @@ class StageServer:
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _handle(self, _info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             header, _ = await read_frame(reader)
             message = m.from_header(header)
@@ -148,7 +148,7 @@ class StageServer:
             return
         nxt = msg.route[1]
         try:
-            _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(nxt.peer_id), m.PROTOCOL)
+            reader, writer = await self.transport.open(nxt.peer_id, nxt.data_addrs, m.PROTOCOL)
             await write_frame(writer, m.to_header(m.Open(msg.session_id, msg.max_length, msg.route[1:])))
             header, _ = await read_frame(reader)
         except Exception as exc:

@@ -1,0 +1,188 @@
+"""A peer's libp2p identity, held in Python, and TLS certificates that prove it.
+
+The direct data plane speaks plain TLS 1.3, so it needs what libp2p's own TLS handshake gives:
+proof that the server holds the private key behind the peer id a client dialled. We follow the
+libp2p TLS spec: the server's certificate is self-signed with a fresh key, and carries an
+extension holding the libp2p public key and that key's signature over the certificate's key.
+A client accepts the connection only if the signature holds and the public key hashes to the
+peer id it meant to reach. Clients stay anonymous, as they are on the libp2p path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+import ssl
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
+
+from p2pfusion.errors import RouteError
+
+SIGNED_KEY_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")  # libp2p's, from its TLS spec
+SIGNATURE_PREFIX = b"libp2p-tls-handshake:"
+SHA2_256 = 0x12
+
+
+class IdentityError(RouteError):
+    """A peer's TLS certificate does not prove the identity we expected."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    private_key: rsa.RSAPrivateKey
+
+    @classmethod
+    def load_or_create(cls, path: str | os.PathLike) -> Identity:
+        """Read a libp2p identity file (hivemind's format), creating it first if missing."""
+        if not os.path.isfile(path):
+            P2P.generate_identity(str(path))
+        raw = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
+        if raw.key_type != crypto_pb2.KeyType.RSA:
+            raise IdentityError(f"{path}: only RSA identities are supported")
+        key = serialization.load_der_private_key(raw.data, password=None)
+        return cls(key)
+
+    @property
+    def public_key_proto(self) -> bytes:
+        spki = self.private_key.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        return crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=spki).SerializeToString()
+
+    @property
+    def peer_id(self) -> str:
+        return peer_id_of(self.public_key_proto)
+
+    def certificate(self, tls_key: ec.EllipticCurvePrivateKey) -> x509.Certificate:
+        """A self-signed certificate for `tls_key`, carrying this identity's signature over that key."""
+        spki = tls_key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        signature = self.private_key.sign(SIGNATURE_PREFIX + spki, padding.PKCS1v15(), hashes.SHA256())
+        return _self_signed(tls_key, self.peer_id, _der_signed_key(self.public_key_proto, signature))
+
+    def server_context(self) -> ssl.SSLContext:
+        """A TLS 1.3 server context whose certificate is bound to this identity."""
+        tls_key = ec.generate_private_key(ec.SECP256R1())
+        cert = self.certificate(tls_key)
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        # ssl loads certificates only from files: write them where only we can read, then remove them
+        with tempfile.TemporaryDirectory(prefix="p2pfusion-tls-") as folder:
+            cert_path, key_path = Path(folder, "cert.pem"), Path(folder, "key.pem")
+            cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+            key_path.write_bytes(tls_key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ))
+            context.load_cert_chain(cert_path, key_path)
+        return context
+
+
+def _self_signed(tls_key: ec.EllipticCurvePrivateKey, subject: str, signed_key: bytes) -> x509.Certificate:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    name = x509.Name([x509.NameAttribute(x509.NameOID.SERIAL_NUMBER, subject)])
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(tls_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=365))
+        .add_extension(x509.UnrecognizedExtension(SIGNED_KEY_OID, signed_key), critical=False)
+        .sign(tls_key, hashes.SHA256())
+    )
+
+
+def client_context() -> ssl.SSLContext:
+    """Certificates are self-signed, so no CA checks them: `verify_peer` checks the identity instead."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+def peer_id_of(public_key_proto: bytes) -> str:
+    """libp2p's peer id: the multihash of the protobuf-encoded public key (sha2-256 past 42 bytes)."""
+    if len(public_key_proto) <= 42:
+        digest = bytes([0x00, len(public_key_proto)]) + public_key_proto
+    else:
+        digest = bytes([SHA2_256, 32]) + hashlib.sha256(public_key_proto).digest()
+    return PeerID(digest).to_base58()
+
+
+def verify_peer(certificate_der: bytes | None, expected_peer_id: str) -> None:
+    """Raise IdentityError unless the certificate was signed off by `expected_peer_id`'s key."""
+    if not certificate_der:
+        raise IdentityError(f"peer {expected_peer_id} presented no certificate")
+    try:
+        cert = x509.load_der_x509_certificate(certificate_der)
+        extension = cert.extensions.get_extension_for_oid(SIGNED_KEY_OID).value
+        public_key_proto, signature = _parse_signed_key(extension.value)
+        proto = crypto_pb2.PublicKey.FromString(public_key_proto)
+    except (ValueError, x509.ExtensionNotFound, IndexError) as exc:
+        raise IdentityError(f"peer {expected_peer_id} presented a certificate without a valid libp2p key: {exc}") from exc
+    if peer_id_of(public_key_proto) != expected_peer_id:
+        raise IdentityError(f"the peer at that address is not {expected_peer_id}")
+    if proto.key_type != crypto_pb2.KeyType.RSA:
+        raise IdentityError(f"peer {expected_peer_id} uses a key type this version cannot check")
+    identity_key = serialization.load_der_public_key(proto.data)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        raise IdentityError(f"peer {expected_peer_id} presented an expired certificate")
+    spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    try:
+        identity_key.verify(signature, SIGNATURE_PREFIX + spki, padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature as exc:
+        raise IdentityError(f"peer {expected_peer_id}'s certificate is not signed by its identity key") from exc
+
+
+# The extension's value is DER: SEQUENCE { publicKey OCTET STRING, signature OCTET STRING }.
+
+
+def _der_length(n: int) -> bytes:
+    if n < 0x80:
+        return bytes([n])
+    body = n.to_bytes((n.bit_length() + 7) // 8, "big")
+    return bytes([0x80 | len(body)]) + body
+
+
+def _der(tag: int, content: bytes) -> bytes:
+    return bytes([tag]) + _der_length(len(content)) + content
+
+
+def _der_signed_key(public_key: bytes, signature: bytes) -> bytes:
+    return _der(0x30, _der(0x04, public_key) + _der(0x04, signature))
+
+
+def _read_der(data: bytes, offset: int, tag: int) -> tuple[bytes, int]:
+    if data[offset] != tag:
+        raise ValueError(f"expected DER tag {tag:#x}")
+    length, offset = data[offset + 1], offset + 2
+    if length & 0x80:
+        size = length & 0x7F
+        if not 0 < size <= 4:
+            raise ValueError("bad DER length")
+        length, offset = int.from_bytes(data[offset:offset + size], "big"), offset + size
+    if offset + length > len(data):
+        raise ValueError("truncated DER value")
+    return data[offset:offset + length], offset + length
+
+
+def _parse_signed_key(data: bytes) -> tuple[bytes, bytes]:
+    sequence, end = _read_der(data, 0, 0x30)
+    if end != len(data):
+        raise ValueError("trailing bytes after the signed key")
+    public_key, offset = _read_der(sequence, 0, 0x04)
+    signature, offset = _read_der(sequence, offset, 0x04)
+    if offset != len(sequence):
+        raise ValueError("trailing bytes inside the signed key")
+    return public_key, signature
