@@ -41,6 +41,7 @@ async def run_peer(args, device: str) -> None:
         identity=args.identity,
         address_file=args.address_file,
         max_length=args.max_length,
+        compression=args.compression,
     )
 
     def ready(maddrs: list[str]) -> None:
@@ -67,7 +68,7 @@ async def infer(args) -> None:
         raise RequestError("--max-new-tokens must be at least 1")
     if not args.prompt.strip():
         raise RequestError("the prompt is empty")
-    model = RemoteCausalLM(resolve_model(args.model))
+    model = RemoteCausalLM(resolve_model(args.model), compression=args.compression)
     ids = model.encode(args.prompt, args.chat)
     model.swarm = swarm = await join_swarm(args.initial_peers, client_mode=True)
     try:

@@ -47,6 +47,21 @@ INITIAL_PEERS = dict(
 )
 
 
+def compression(text: str) -> str:
+    from p2pfusion.net.compression import parse_compression
+
+    try:
+        return parse_compression(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+COMPRESSION = dict(
+    type=compression, default="auto", metavar="auto|none|float16|bfloat16|int8|topk",
+    help="codec of hidden states on the wire; auto picks per link from its measured speed",
+)
+
+
 def _device(args) -> str:
     if args.gpu is not None:
         return f"cuda:{args.gpu}"
@@ -81,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--identity", help="file holding this peer's key (created if missing)")
     peer.add_argument("--address-file", type=Path, help="write this peer's multiaddrs here once serving")
     peer.add_argument("--max-length", type=int, default=2048, help="longest session accepted, in tokens")
+    peer.add_argument("--compression", **COMPRESSION)
 
     infer = sub.add_parser("infer", help="private inference through the swarm")
     infer.add_argument("prompt")
@@ -90,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     infer.add_argument("--seed", type=int)
     infer.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    infer.add_argument("--compression", **COMPRESSION)
 
     view = sub.add_parser("swarm", help="show a swarm's stages, peers and bottleneck")
     view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)

@@ -20,6 +20,8 @@ from p2pfusion.client.routing import find_route
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import PeerFailed, RouteError
+from p2pfusion.net.compression import AUTO
+from p2pfusion.net.links import LinkBook
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +39,8 @@ class ResilientSession:
         num_layers: int,
         max_length: int,
         health: PeerHealth,
+        links: LinkBook,
+        compression: str = AUTO,
         failover_timeout: float = FAILOVER_TIMEOUT,
     ):
         self.swarm = swarm
@@ -44,6 +48,8 @@ class ResilientSession:
         self.num_layers = num_layers
         self.max_length = max_length
         self.health = health
+        self.links = links
+        self.compression = compression
         self.failover_timeout = failover_timeout
         self.session: InferenceSession | None = None
         self.history: list[torch.Tensor] = []
@@ -65,7 +71,9 @@ class ResilientSession:
                 route = find_route(
                     records, self.num_layers, self.health.observed, self.health.banned() | self._avoid, recovering
                 )
-                self.session = await InferenceSession(self.swarm.transport, route, self.max_length).open()
+                self.session = await InferenceSession(
+                    self.swarm.transport, route, self.max_length, self.compression, self.links
+                ).open()
                 return
             except PeerFailed as exc:
                 self._failed(exc)

@@ -15,6 +15,8 @@ from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_head
+from p2pfusion.net.compression import AUTO
+from p2pfusion.net.links import LinkBook
 
 
 @dataclass
@@ -37,14 +39,18 @@ def choose_token(logits: torch.Tensor, temperature: float, generator: torch.Gene
 class RemoteCausalLM:
     """A causal LM whose decoder layers run in the swarm."""
 
-    def __init__(self, source: ModelSource, swarm: SwarmNode | None = None, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, source: ModelSource, swarm: SwarmNode | None = None, dtype: torch.dtype = torch.float32, compression: str = AUTO
+    ):
         self.source = source
         self.swarm = swarm
+        self.compression = compression
         self.config = load_config(source)
         self.head = load_head(source, dtype)
         self.dtype = dtype
         self.health = PeerHealth(observed=load_observed(source.name))
         self._tokenizer = None
+        self._links: LinkBook | None = None
 
     @property
     def tokenizer(self):
@@ -83,8 +89,11 @@ class RemoteCausalLM:
     async def open_session(self, max_length: int) -> ResilientSession:
         if self.swarm is None:
             raise RequestError("this model is not attached to a swarm")
+        if self._links is None or self._links.transport is not self.swarm.transport:
+            self._links = LinkBook(self.swarm.transport)
         session = ResilientSession(
-            self.swarm, self.source.name, self.config.num_hidden_layers, max_length, self.health
+            self.swarm, self.source.name, self.config.num_hidden_layers, max_length, self.health, self._links,
+            self.compression,
         )
         return await session.open()
 

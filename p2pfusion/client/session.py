@@ -15,7 +15,10 @@ import torch
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
+from p2pfusion.net.codecs import pack
+from p2pfusion.net.compression import AUTO, LinkSpeed, choose_codec
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
+from p2pfusion.net.links import LinkBook
 from p2pfusion.net.transport import Transport
 
 OPEN_TIMEOUT = 15.0
@@ -23,10 +26,15 @@ STEP_TIMEOUT = 60.0
 
 
 class InferenceSession:
-    def __init__(self, transport: Transport, route: list[PeerRecord], max_length: int):
+    def __init__(
+        self, transport: Transport, route: list[PeerRecord], max_length: int, compression: str = AUTO, links: LinkBook | None = None
+    ):
         self.transport = transport
         self.route = route
         self.max_length = max_length
+        self.compression = compression
+        self.links = links
+        self.first_link: LinkSpeed | None = None  # picks the codec of what this client sends
         self.session_id = uuid.uuid4().hex
         self.position = 0
         self.leaving: set[str] = set()  # peers of this route that asked us to move
@@ -52,14 +60,27 @@ class InferenceSession:
             raise PeerFailed(f"peer {record.peer_id} did not answer: {exc!r}", record.peer_id) from exc
         m.raise_for_error(m.from_header(header))
 
+    async def _measure_links(self) -> LinkSpeed | None:
+        """Measure the links to the first hop (our sends) and the last (its results); returns the last."""
+        if self.compression != AUTO or self.links is None:
+            return None
+        first, last = self.route[0], self.route[-1]
+        self.first_link, last_link = await asyncio.gather(
+            self.links.get(first.peer_id, first.data_addrs), self.links.get(last.peer_id, last.data_addrs)
+        )
+        return last_link
+
     async def open(self) -> InferenceSession:
+        last_link = await self._measure_links()
         try:
             sink_reader, self._sink = await self._connect(self.route[-1])
             await write_frame(self._sink, m.to_header(m.Subscribe(self.session_id)))
             await self._expect_ack(sink_reader, self.route[-1])
             head_reader, self._head = await self._connect(self.route[0])
             hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
-            await write_frame(self._head, m.to_header(m.Open(self.session_id, self.max_length, hops)))
+            rtt, bandwidth = (last_link.rtt, last_link.bytes_per_second) if last_link else (None, None)
+            opening = m.Open(self.session_id, self.max_length, hops, self.compression, rtt, bandwidth)
+            await write_frame(self._head, m.to_header(opening))
             await self._expect_ack(head_reader, self.route[0])
         except BaseException:
             await self.close()
@@ -98,7 +119,8 @@ class InferenceSession:
         self._step += 1
         t0 = time.perf_counter()
         try:
-            await write_frame(self._head, m.to_header(m.Step(step=self._step)), hidden)
+            choice = choose_codec(self.first_link, hidden.numel() * 4, forced=self.compression)
+            await write_frame(self._head, m.to_header(m.Step(step=self._step)), pack(hidden, choice.codec, choice.k))
         except (ConnectionError, RuntimeError) as exc:
             raise PeerFailed(f"peer {self.route[0].peer_id} closed the session: {exc!r}", self.route[0].peer_id) from exc
         deadline = time.monotonic() + timeout

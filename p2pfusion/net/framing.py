@@ -1,8 +1,9 @@
-"""Frames on a byte stream: a msgpack header, then the raw buffer of at most one tensor.
+"""Frames on a byte stream: a msgpack header, then the raw buffers of at most one tensor.
 
-Layout: 4-byte header length, 8-byte body length (big-endian), header, body. The tensor's dtype
-and shape travel in the header under "tensor"; the body is its contiguous bytes, with no
-serialization step in between. Every check here guards a peer against a bad or hostile sender.
+Layout: 4-byte header length, 8-byte body length (big-endian), header, body. The tensor's codec,
+dtype and shape travel in the header under "tensor" (see `codecs`); the body is the codec's
+buffers, written straight from the tensor's memory and read back into one buffer that the
+decoded tensor shares. Every check here guards a peer against a bad or hostile sender.
 """
 
 from __future__ import annotations
@@ -15,63 +16,42 @@ import msgpack
 import torch
 
 from p2pfusion.errors import RequestError
+from p2pfusion.net.codecs import CodecError, Packed, pack, unpack
 
 PREFIX = struct.Struct("!IQ")
 MAX_HEADER_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 31
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-}
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class FrameError(RequestError):
     """The byte stream holds no valid frame; the stream cannot be trusted after this."""
 
 
-def encode(header: dict[str, Any], tensor: torch.Tensor | None = None) -> list[bytes | memoryview]:
-    body: bytes | memoryview = b""
-    if tensor is not None:
-        if tensor.dtype not in DTYPE_NAMES:
-            raise RequestError(f"cannot send tensors of dtype {tensor.dtype}")
-        tensor = tensor.detach().contiguous().cpu()
-        header = {**header, "tensor": [DTYPE_NAMES[tensor.dtype], list(tensor.shape)]}
-        # bfloat16 has no numpy dtype, so view its bytes as int16 (same width) to share the buffer.
-        as_numpy = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-        if tensor.numel():
-            body = memoryview(as_numpy.numpy().reshape(-1)).cast("B")
-    packed = msgpack.packb(header, use_bin_type=True)
-    return [PREFIX.pack(len(packed), len(body)), packed, body]
+class BadTensor(RequestError):
+    """A whole frame arrived, but its tensor does not decode; the stream itself is still in step."""
+
+    def __init__(self, message: str, header: dict[str, Any]):
+        super().__init__(message)
+        self.header = header
+
+
+def encode(header: dict[str, Any], payload: torch.Tensor | Packed | None = None) -> list[bytes | memoryview]:
+    """The frame's pieces, ready for `writelines`; a bare tensor goes uncompressed."""
+    if payload is None:
+        parts: list[memoryview] = []
+    else:
+        packed = payload if isinstance(payload, Packed) else pack(payload)
+        header = {**header, "tensor": packed.spec}
+        parts = packed.parts
+    packed_header = msgpack.packb(header, use_bin_type=True)
+    return [PREFIX.pack(len(packed_header), sum(p.nbytes for p in parts)), packed_header, *parts]
 
 
 async def write_frame(
-    writer: asyncio.StreamWriter, header: dict[str, Any], tensor: torch.Tensor | None = None
+    writer: asyncio.StreamWriter, header: dict[str, Any], payload: torch.Tensor | Packed | None = None
 ) -> None:
-    writer.writelines(encode(header, tensor))
+    writer.writelines(encode(header, payload))
     await writer.drain()
-
-
-def _decode_tensor(spec: Any, body: bytes) -> torch.Tensor:
-    if not (isinstance(spec, list) and len(spec) == 2 and isinstance(spec[1], list)):
-        raise FrameError("malformed tensor description in frame header")
-    dtype_name, shape = spec
-    dtype = DTYPES.get(dtype_name) if isinstance(dtype_name, str) else None
-    if dtype is None:
-        raise FrameError(f"unsupported tensor dtype {dtype_name!r}")
-    if not all(isinstance(d, int) and d >= 0 for d in shape):
-        raise FrameError(f"invalid tensor shape {shape!r}")
-    count = 1
-    for d in shape:
-        count *= d
-    if count * dtype.itemsize != len(body):
-        raise FrameError(f"tensor of shape {shape} and dtype {dtype_name} does not fit {len(body)} bytes")
-    if count == 0:
-        return torch.empty(shape, dtype=dtype)
-    raw = torch.frombuffer(bytearray(body), dtype=torch.int16 if dtype == torch.bfloat16 else dtype)
-    return raw.view(dtype).reshape(shape) if dtype == torch.bfloat16 else raw.reshape(shape)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], torch.Tensor | None]:
@@ -101,4 +81,7 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], torc
         if body:
             raise FrameError("frame has a body but no tensor description")
         return header, None
-    return header, _decode_tensor(spec, body)
+    try:
+        return header, unpack(spec, body)
+    except CodecError as exc:
+        raise BadTensor(str(exc), header) from exc

@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from p2pfusion.errors import PeerFailed, RequestError
+from p2pfusion.net.compression import AUTO, LinkSpeed, parse_compression
 
-PROTOCOL = "p2pfusion.inference.v1"
+PROTOCOL = "p2pfusion.inference.v2"
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,9 @@ class Open:
     session_id: str
     max_length: int
     route: list[Hop] = field(default_factory=list)
+    compression: str = AUTO  # or a codec every hop must use
+    client_rtt: float | None = None  # the client's link to the last hop, which picks the results' codec
+    client_bandwidth: float | None = None
 
 
 @dataclass(frozen=True)
@@ -117,10 +121,17 @@ def from_header(header: dict[str, Any]) -> Any:
         raise RequestError(f"unknown message kind {header.get('kind')!r}")
     if cls is Open:
         route = _typed(header.get("route"), list, "route")
+        try:
+            compression = parse_compression(_typed(header.get("compression", AUTO), str, "compression"))
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
         return Open(
             session_id=_typed(header.get("session_id"), str, "session_id"),
             max_length=_typed(header.get("max_length"), int, "max_length"),
             route=[_hop(h) for h in route],
+            compression=compression,
+            client_rtt=_positive(header.get("client_rtt"), "client_rtt"),
+            client_bandwidth=_positive(header.get("client_bandwidth"), "client_bandwidth"),
         )
     if cls is Subscribe:
         return Subscribe(session_id=_typed(header.get("session_id"), str, "session_id"))
@@ -144,6 +155,20 @@ def raise_for_error(reply: Any) -> None:
         if reply.failed_peer is not None:
             raise PeerFailed(reply.message, reply.failed_peer)
         raise RequestError(reply.message)
+
+
+def _positive(raw: Any, name: str) -> float | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not 0 < raw < float("inf"):
+        raise RequestError(f"field {name!r} must be a positive number")
+    return float(raw)
+
+
+def client_link(message: Open) -> LinkSpeed | None:
+    if message.client_rtt is None or message.client_bandwidth is None:
+        return None
+    return LinkSpeed(message.client_rtt, message.client_bandwidth)
 
 
 def _timings(raw: Any) -> list[tuple[str, float]]:

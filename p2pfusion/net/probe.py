@@ -9,21 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from contextlib import asynccontextmanager
 
 import torch
 
+from p2pfusion.net.compression import LinkSpeed
 from p2pfusion.net.framing import read_frame, write_frame
 from p2pfusion.net.transport import Transport
 
 PROTOCOL = "p2pfusion.probe.v1"
 MAX_ECHO_BYTES = 16 << 20  # a probe never makes a peer echo more than this
-
-
-@dataclass(frozen=True)
-class LinkSpeed:
-    rtt: float  # seconds
-    bytes_per_second: float
 
 
 async def serve_probes(transport: Transport) -> None:
@@ -43,33 +38,48 @@ async def serve_probes(transport: Transport) -> None:
     await transport.add_handler(PROTOCOL, echo)
 
 
+@asynccontextmanager
+async def _stream(transport: Transport, peer_id: str, data_addrs: list[str]):
+    reader, writer = await transport.open(peer_id, data_addrs, PROTOCOL)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
+async def _round_trips(reader, writer, tensor: torch.Tensor | None, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        await write_frame(writer, {"probe": 1}, tensor)
+        await read_frame(reader)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+async def _rtt(transport: Transport, peer_id: str, data_addrs: list[str]) -> float:
+    async with _stream(transport, peer_id, data_addrs) as (reader, writer):
+        return await _round_trips(reader, writer, None, rounds=1)
+
+
 async def reachable(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> bool:
     try:
-        await asyncio.wait_for(_echo(transport, peer_id, data_addrs, None), timeout)
+        await asyncio.wait_for(_rtt(transport, peer_id, data_addrs), timeout)
         return True
     except Exception:
         return False
 
 
-async def _echo(transport: Transport, peer_id: str, data_addrs: list[str], tensor: torch.Tensor | None, rounds: int = 1) -> float:
-    reader, writer = await transport.open(peer_id, data_addrs, PROTOCOL)
-    try:
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            await write_frame(writer, {"probe": 1}, tensor)
-            await read_frame(reader)
-            best = min(best, time.perf_counter() - t0)
-        return best
-    finally:
-        writer.close()
+async def _measure(transport: Transport, peer_id: str, data_addrs: list[str], payload_bytes: int) -> LinkSpeed:
+    async with _stream(transport, peer_id, data_addrs) as (reader, writer):
+        rtt = await _round_trips(reader, writer, None, rounds=5)
+        payload = torch.zeros(payload_bytes // 4, dtype=torch.float32)
+        seconds = await _round_trips(reader, writer, payload, rounds=2)
+    return LinkSpeed(rtt=rtt, bytes_per_second=2 * payload_bytes / max(seconds - rtt, 1e-9))
 
 
 async def measure_link(
     transport: Transport, peer_id: str, data_addrs: list[str], payload_bytes: int = 1 << 20, timeout: float = 10.0
 ) -> LinkSpeed:
     """Best of a few round trips, so a busy moment does not pass for the link's speed."""
-    rtt = await asyncio.wait_for(_echo(transport, peer_id, data_addrs, None, rounds=5), timeout)
-    payload = torch.zeros(payload_bytes // 4, dtype=torch.float32)
-    seconds = await asyncio.wait_for(_echo(transport, peer_id, data_addrs, payload, rounds=3), timeout)
-    return LinkSpeed(rtt=rtt, bytes_per_second=2 * payload_bytes / max(seconds - rtt, 1e-9))
+    return await asyncio.wait_for(_measure(transport, peer_id, data_addrs, payload_bytes), timeout)

@@ -20,6 +20,8 @@ from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_stage
 from p2pfusion.net import probe
+from p2pfusion.net.compression import AUTO
+from p2pfusion.net.links import LinkBook
 from p2pfusion.peer.balance import Capacity, Placement, place_peer, stage_most_at_risk
 from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name
 from p2pfusion.peer.server import StageServer
@@ -46,6 +48,7 @@ class PeerOptions:
     identity: str | None = None
     address_file: Path | None = None
     max_length: int = 2048
+    compression: str = AUTO
     refresh_period: float = 10.0
     watch_period: float = 2.0
     rebalance_period: float = 120.0
@@ -64,6 +67,7 @@ class Peer:
         self.capacity: Capacity | None = None
         self.started = time.monotonic()
         self.reload_seconds_per_layer = 1.0  # replaced by the measured time of this peer's own loads
+        self.links = LinkBook(swarm.transport)
         self._checked: dict[str, tuple[float, bool]] = {}
 
     async def live_records(self) -> tuple[list[PeerRecord], set[str]]:
@@ -92,12 +96,8 @@ class Peer:
     async def _measure_links(self, records: list[PeerRecord]) -> tuple[float | None, float | None]:
         """Tokens/s of hidden states and the round trip, to a few peers (median); None when alone."""
         others = [r for r in records if r.state != PeerState.OFFLINE and r.peer_id != self.swarm.peer_id]
-        speeds = []
-        for record in others[:LINK_PROBES]:
-            try:
-                speeds.append(await probe.measure_link(self.swarm.transport, record.peer_id, record.data_addrs))
-            except Exception as exc:  # an unreachable peer is simply not measured
-                log.info("could not measure the link to %s: %r", record.peer_id, exc)
+        speeds = [await self.links.get(r.peer_id, r.data_addrs) for r in others[:LINK_PROBES]]
+        speeds = [s for s in speeds if s is not None]  # an unreachable peer is simply not measured
         if not speeds:
             return None, None
         bytes_per_token = self.config.hidden_size * self.options.dtype.itemsize
@@ -129,7 +129,9 @@ class Peer:
         )
         await self.announce()
         stage = await self.load(placement.start, placement.end)
-        self.server = StageServer(stage, self.swarm.transport, self.options.max_length)
+        self.server = StageServer(
+            stage, self.swarm.transport, self.links, self.options.max_length, self.options.compression
+        )
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"

@@ -17,7 +17,10 @@ import torch
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
-from p2pfusion.net.framing import FrameError, read_frame, write_frame
+from p2pfusion.net.codecs import Packed, pack
+from p2pfusion.net.compression import AUTO, LinkSpeed, choose_codec
+from p2pfusion.net.framing import BadTensor, FrameError, read_frame, write_frame
+from p2pfusion.net.links import LinkBook
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -32,6 +35,8 @@ class Session:
     stage: Stage  # kept per session: sessions opened before a move finish on the old layers
     cache: object
     upstream: asyncio.StreamWriter
+    compression: str = AUTO
+    link: LinkSpeed | None = None  # to the next hop, or to the client from the last hop
     length: int = 0
     downstream: asyncio.StreamWriter | None = None
     sink: asyncio.StreamWriter | None = None
@@ -39,9 +44,11 @@ class Session:
 
 
 class StageServer:
-    def __init__(self, stage: Stage, transport: Transport, max_length: int = 2048):
+    def __init__(self, stage: Stage, transport: Transport, links: LinkBook, max_length: int = 2048, compression: str = AUTO):
         self.stage = stage
         self.transport = transport
+        self.links = links
+        self.compression = compression  # what this peer's operator forces, unless the client does
         self.peer_id = transport.peer_id
         self.max_length = max_length
         self.tokens_done = 0  # tokens computed since start, for the load this peer announces
@@ -123,7 +130,8 @@ class StageServer:
 
     async def _serve_session(self, msg: m.Open, reader, writer) -> None:
         self._check_open(msg)
-        session = Session(msg.session_id, msg.max_length, self.stage, self.stage.new_cache(), writer)
+        compression = msg.compression if msg.compression != AUTO else self.compression
+        session = Session(msg.session_id, msg.max_length, self.stage, self.stage.new_cache(), writer, compression)
         self.sessions[msg.session_id] = session
         try:
             await self._connect_onward(session, msg, writer)
@@ -145,11 +153,17 @@ class StageServer:
             except TimeoutError:
                 raise RequestError("open: the client opened no output stream to the last hop") from None
             session.sink = self._sinks[msg.session_id]
+            session.link = m.client_link(msg)
             return
         nxt = msg.route[1]
+        if session.compression == AUTO:
+            session.link = await self.links.get(nxt.peer_id, nxt.data_addrs)
         try:
             reader, writer = await self.transport.open(nxt.peer_id, nxt.data_addrs, m.PROTOCOL)
-            await write_frame(writer, m.to_header(m.Open(msg.session_id, msg.max_length, msg.route[1:])))
+            onward = m.Open(
+                msg.session_id, msg.max_length, msg.route[1:], msg.compression, msg.client_rtt, msg.client_bandwidth
+            )
+            await write_frame(writer, m.to_header(onward))
             header, _ = await read_frame(reader)
         except Exception as exc:
             raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
@@ -163,6 +177,10 @@ class StageServer:
                 header, tensor = await read_frame(reader)
             except EOFError:
                 return
+            except BadTensor as exc:
+                step = exc.header.get("step")
+                await write_frame(writer, m.to_header(m.Error(message=str(exc), step=step if isinstance(step, int) else -1)))
+                continue
             message = m.from_header(header)
             if isinstance(message, m.Close):
                 return
@@ -181,10 +199,16 @@ class StageServer:
             session.length += hidden.shape[1]
             self.tokens_done += hidden.shape[0] * hidden.shape[1]
             timings = [*message.timings, (self.peer_id, seconds)]
+            payload = self._pack(session, out)
             if session.downstream is not None:
-                await write_frame(session.downstream, m.to_header(m.Step(step=message.step, timings=timings)), out)
+                await write_frame(session.downstream, m.to_header(m.Step(step=message.step, timings=timings)), payload)
             else:
-                await write_frame(session.sink, m.to_header(m.Result(step=message.step, timings=timings)), out)
+                await write_frame(session.sink, m.to_header(m.Result(step=message.step, timings=timings)), payload)
+
+    @staticmethod
+    def _pack(session: Session, out: torch.Tensor) -> Packed:
+        choice = choose_codec(session.link, out.numel() * 4, forced=session.compression)
+        return pack(out, choice.codec, choice.k)
 
     def _check_hidden(self, session: Session, tensor: torch.Tensor | None) -> torch.Tensor:
         stage = session.stage

@@ -1,0 +1,226 @@
+"""Tensor codecs for the wire: how a tensor becomes a frame's body, and back.
+
+Error bounds, for x sent and y received (elementwise; NaN and +-inf always arrive as sent):
+- none:      exact.
+- float16:   |y - x| <= 2^-11 |x| + 2^-24 where |x| <= 65504; larger magnitudes arrive as +-65504.
+- bfloat16:  |y - x| <= 2^-8 |x| + 2^-133 (bfloat16 keeps float32's range).
+- int8:      |y - x| <= m / 254, m the largest finite |x| in x's block of 64 (flattened order).
+- topk:      the k largest |x| arrive exactly, every other entry as 0. `ErrorFeedback` carries what
+             was dropped into the next tensor, so nothing is lost over a run of steps.
+A spec (the frame header's description) comes from an untrusted sender: `unpack` checks every
+field against the body before it allocates or reads anything.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+from p2pfusion.errors import RequestError
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+BLOCK = 64
+FLOAT16_MAX = 65504.0
+BFLOAT16_MAX = torch.finfo(torch.bfloat16).max
+MAX_DECODED_BYTES = 1 << 31
+MAX_EXPANSION = 1024  # decoded bytes per body byte a sparse frame may claim (beyond the first MiB)
+
+
+# A received body belongs to its frame alone, so a tensor may share its read-only bytes, uncopied.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class CodecError(RequestError):
+    """A frame's tensor description is malformed or does not match its bytes."""
+
+
+class Codec(str, Enum):
+    NONE = "none"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+    TOPK = "topk"
+
+
+@dataclass(frozen=True)
+class Packed:
+    spec: dict[str, Any]  # travels in the frame header
+    parts: list[memoryview]  # travel, concatenated, as the frame body
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The tensor's own buffer as bytes, with no copy (bfloat16 has no numpy type: viewed as int16)."""
+    tensor = tensor.contiguous()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.view(torch.int16)
+    return memoryview(tensor.numpy().reshape(-1)).cast("B")
+
+
+def pack(tensor: torch.Tensor, codec: Codec = Codec.NONE, k: int | None = None) -> Packed:
+    tensor = tensor.detach().cpu()
+    if tensor.dtype not in DTYPE_NAMES:
+        raise RequestError(f"cannot send tensors of dtype {tensor.dtype}")
+    if codec != Codec.NONE and not tensor.dtype.is_floating_point:
+        codec = Codec.NONE  # lossy codecs are for activations and gradients, never for ids
+    spec: dict[str, Any] = {"codec": codec.value, "dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape)}
+    flat = tensor.reshape(-1)
+    if codec == Codec.NONE:
+        parts = [_bytes(flat)]
+    elif codec == Codec.FLOAT16:
+        parts = [_bytes(_clamp_finite(flat, FLOAT16_MAX).to(torch.float16))]
+    elif codec == Codec.BFLOAT16:
+        parts = [_bytes(_clamp_finite(flat, BFLOAT16_MAX).to(torch.bfloat16))]
+    elif codec == Codec.INT8:
+        parts = _pack_int8(flat)
+    elif codec == Codec.TOPK:
+        k = flat.numel() if k is None else max(0, min(int(k), flat.numel()))
+        spec["k"] = k
+        parts = _pack_topk(flat, k)
+    else:
+        raise RequestError(f"unknown codec {codec!r}")
+    spec["parts"] = [p.nbytes for p in parts]
+    return Packed(spec, parts)
+
+
+def _clamp_finite(x: torch.Tensor, limit: float) -> torch.Tensor:
+    if not x.numel() or torch.finfo(x.dtype).max <= limit:
+        return x
+    return torch.where(torch.isfinite(x), x.clamp(-limit, limit), x)
+
+
+def _pack_int8(flat: torch.Tensor) -> list[memoryview]:
+    x = flat.float()
+    bad = ~torch.isfinite(x)
+    exc_index = bad.nonzero().reshape(-1)
+    if exc_index.numel():
+        x = x.masked_fill(bad, 0.0)  # sent aside exactly; kept out of the block scales
+    blocks = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK)
+    scales = blocks.abs().amax(dim=1) / 127.0
+    q = torch.round(blocks / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)
+    q = q.to(torch.int8).reshape(-1)[: x.numel()]
+    return [_bytes(q), _bytes(scales), _bytes(exc_index), _bytes(flat[exc_index])]
+
+
+def _pack_topk(flat: torch.Tensor, k: int) -> list[memoryview]:
+    magnitude = flat.float().abs().nan_to_num(nan=math.inf)  # non-finite entries are always kept
+    index = torch.topk(magnitude, k, sorted=False).indices if k < flat.numel() else torch.arange(flat.numel())
+    index = index.sort().values.to(_index_dtype(flat.numel()))
+    return [_bytes(index), _bytes(flat[index.long()])]
+
+
+def _index_dtype(count: int) -> torch.dtype:
+    return torch.int32 if count < 2**31 else torch.int64
+
+
+def _check_parts(spec: dict[str, Any], body_size: int, expected: list[int]) -> list[int]:
+    parts = spec.get("parts")
+    if not (isinstance(parts, list) and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in parts)):
+        raise CodecError("tensor description has malformed part sizes")
+    if sum(parts) != body_size:
+        raise CodecError(f"tensor parts of {sum(parts)} B do not fit the {body_size} B body")
+    if len(parts) != len(expected) or any(e >= 0 and p != e for p, e in zip(parts, expected)):
+        raise CodecError(f"tensor parts {parts} do not fit codec {spec.get('codec')!r} and shape {spec.get('shape')}")
+    return parts
+
+
+def _view(body: memoryview, offset: int, size: int, dtype: torch.dtype) -> torch.Tensor:
+    if size == 0:
+        return torch.empty(0, dtype=dtype)
+    if size % dtype.itemsize:
+        raise CodecError(f"a part of {size} B is not a whole number of {dtype} values")
+    raw_dtype = torch.int16 if dtype == torch.bfloat16 else dtype
+    return torch.frombuffer(body, dtype=raw_dtype, count=size // dtype.itemsize, offset=offset).view(dtype)
+
+
+def unpack(spec: Any, body: bytes | bytearray | memoryview) -> torch.Tensor:
+    """Rebuild a tensor from a frame's description and body; CodecError on anything inconsistent."""
+    if not isinstance(spec, dict):
+        raise CodecError("malformed tensor description in frame header")
+    try:
+        codec = Codec(spec.get("codec"))
+    except ValueError:
+        raise CodecError(f"unknown codec {spec.get('codec')!r}") from None
+    dtype = DTYPES.get(spec.get("dtype")) if isinstance(spec.get("dtype"), str) else None
+    if dtype is None:
+        raise CodecError(f"unsupported tensor dtype {spec.get('dtype')!r}")
+    shape = spec.get("shape")
+    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
+        raise CodecError(f"invalid tensor shape {shape!r}")
+    count = math.prod(shape)
+    body = memoryview(body).cast("B")
+    if count * dtype.itemsize > min(MAX_DECODED_BYTES, max(1 << 20, MAX_EXPANSION * body.nbytes)):
+        raise CodecError(f"a tensor of shape {shape} is too large for a {body.nbytes} B frame")
+    if codec != Codec.NONE and not dtype.is_floating_point:
+        raise CodecError(f"codec {codec.value} does not apply to {spec['dtype']}")
+    if codec == Codec.NONE:
+        _check_parts(spec, body.nbytes, [count * dtype.itemsize])
+        out = _view(body, 0, count * dtype.itemsize, dtype)
+    elif codec in (Codec.FLOAT16, Codec.BFLOAT16):
+        wire = torch.float16 if codec == Codec.FLOAT16 else torch.bfloat16
+        _check_parts(spec, body.nbytes, [count * 2])
+        out = _view(body, 0, count * 2, wire).to(dtype)
+    elif codec == Codec.INT8:
+        out = _unpack_int8(spec, body, count, dtype)
+    else:
+        out = _unpack_topk(spec, body, count, dtype)
+    return out.reshape(shape)
+
+
+def _unpack_int8(spec: dict[str, Any], body: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
+    blocks = -(-count // BLOCK)
+    q_size, s_size, i_size, v_size = _check_parts(spec, body.nbytes, [count, blocks * 4, -1, -1])
+    exceptions = i_size // 8
+    if i_size % 8 or v_size != exceptions * dtype.itemsize:
+        raise CodecError("int8 frame: exception indices and values do not match")
+    q = _view(body, 0, q_size, torch.int8).float()
+    scales = _view(body, q_size, s_size, torch.float32)
+    q = torch.nn.functional.pad(q, (0, -count % BLOCK)).view(-1, BLOCK)
+    out = (q * scales[:, None]).reshape(-1)[:count].to(dtype)
+    if exceptions:
+        index = _view(body, q_size + s_size, i_size, torch.int64)
+        if index.min() < 0 or index.max() >= count:
+            raise CodecError("int8 frame: exception index out of range")
+        out[index] = _view(body, q_size + s_size + i_size, v_size, dtype)
+    return out
+
+
+def _unpack_topk(spec: dict[str, Any], body: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
+    k = spec.get("k")
+    if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= count):
+        raise CodecError(f"topk frame: k must be in 0..{count}, got {k!r}")
+    index_dtype = _index_dtype(count)
+    i_size, v_size = _check_parts(spec, body.nbytes, [k * index_dtype.itemsize, k * dtype.itemsize])
+    out = torch.zeros(count, dtype=dtype)
+    if k:
+        index = _view(body, 0, i_size, index_dtype).long()
+        if index.min() < 0 or index.max() >= count:
+            raise CodecError("topk frame: index out of range")
+        out[index] = _view(body, i_size, v_size, dtype)
+    return out
+
+
+class ErrorFeedback:
+    """Top-k with error feedback for one stream: what a step leaves out is added to the next one,
+    so over many steps every value gets through (FusionLLM's AdaTopK keeps the same residual)."""
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+
+    def pack(self, tensor: torch.Tensor, k: int) -> Packed:
+        tensor = tensor.detach().cpu()
+        acc = tensor if self.residual is None or self.residual.shape != tensor.shape else tensor + self.residual
+        packed = pack(acc, Codec.TOPK, k)
+        residual = acc.reshape(-1).clone()
+        residual[_view(packed.parts[0], 0, packed.parts[0].nbytes, _index_dtype(acc.numel())).long()] = 0
+        self.residual = residual.reshape(acc.shape)
+        return packed
