@@ -2,6 +2,7 @@
 
 import struct
 
+import msgpack
 import torch
 import uvloop
 from hivemind.p2p import PeerID
@@ -9,14 +10,19 @@ from hivemind.p2p import PeerID
 from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import messages as m
-from p2pfusion.net.framing import read_frame, write_frame
+from p2pfusion.net.framing import PREFIX, read_frame, write_frame
 from tests.conftest import reference_model
 from tests.swarm import running_peers
 
 IDS = [3, 17, 42, 99]
 
 
-async def _raw_stream(client, peer):
+async def _raw_stream(client, peer, direct: bool):
+    """A stream to the peer over the direct TLS path, or over libp2p."""
+    if direct:
+        reader, writer = await client.transport.open(peer.swarm.peer_id, peer.swarm.transport.data_addrs, m.PROTOCOL)
+        assert writer.get_extra_info("ssl_object") is not None
+        return reader, writer
     _, reader, writer = await client.p2p.call_binary_stream_handler(PeerID.from_base58(peer.swarm.peer_id), m.PROTOCOL)
     return reader, writer
 
@@ -35,17 +41,17 @@ async def _scenario(source):
         good = await model.open_session(32)  # a well-behaved session that lives through all of this
         first = await good.step(model.embed(IDS[:2]))
 
-        reader, writer = await _raw_stream(client, peer)
+        reader, writer = await _raw_stream(client, peer, direct=False)
         writer.write(b"\x00\x00\x00\x05" + b"\x00" * 8 + b"garbage")
         await writer.drain()
         errors["garbage"] = await _error_of(reader)
 
-        reader, writer = await _raw_stream(client, peer)
+        reader, writer = await _raw_stream(client, peer, direct=True)
         writer.write(struct.pack("!IQ", 1 << 30, 0))
         await writer.drain()
         errors["huge"] = await _error_of(reader)
 
-        reader, writer = await _raw_stream(client, peer)
+        reader, writer = await _raw_stream(client, peer, direct=True)
         await write_frame(writer, m.to_header(m.Step(step=1)), torch.zeros(1, 1, 64))
         errors["unknown_session"] = await _error_of(reader)
 
@@ -60,6 +66,12 @@ async def _scenario(source):
             await write_frame(bad.session._head, m.to_header(m.Step(step=99)), tensor)
             header, _ = await bad.session._inbox.get()
             errors[name] = header["message"]
+        # a frame whose int8 tensor claims more exceptions than it carries
+        spec = {"codec": "int8", "dtype": "float32", "shape": [1, 1, 64], "parts": [64, 4, 16, 4]}
+        header = msgpack.packb({**m.to_header(m.Step(step=98)), "tensor": spec})
+        bad.session._head.write(PREFIX.pack(len(header), 88) + header + bytes(88))
+        reply, _ = await bad.session._inbox.get()
+        errors["codec"] = (reply["step"], reply["message"])
         # the same session still works after its bad steps
         recovered = await bad.step(model.embed(IDS))
         await bad.close()
@@ -83,6 +95,7 @@ def test_peer_survives_malformed_requests(tiny_models):
     assert "shape" in errors["shape"] and "shape" in errors["rank"]
     assert "NaN" in errors["nan"]
     assert "max_length" in errors["too_long"]
+    assert errors["codec"][0] == 98 and "exception" in errors["codec"][1]
     ref = reference_model(source)
     with torch.no_grad():
         expected = ref(torch.tensor([IDS]), output_hidden_states=True).hidden_states[-1]
