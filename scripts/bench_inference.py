@@ -1,9 +1,12 @@
 #!/usr/bin/env python
-"""Greedy decoding: local transformers vs. a local 3-peer swarm, in one run, with their ratio.
+"""Local transformers vs. a local 3-peer swarm, in one run, with their ratios:
+1. greedy decoding of --tokens new tokens (prefill excluded on both sides);
+2. a batch forward of 4 sequences of 128 tokens, to logits.
 
-Both sides use the same model, prompt, dtype (fp32) and CPU threads. The swarm's peers are real
+Both sides use the same model, inputs, dtype (fp32) and CPU threads. The swarm's peers are real
 processes on 127.0.0.1, each serving a third of the layers; the client keeps embeddings and head.
-Usage: python scripts/bench_inference.py [--tokens 64] [--runs 3] [--peers 3]
+Local and swarm runs alternate, so load from other tenants of the machine hits both alike.
+Usage: python scripts/bench_inference.py [--tokens 64] [--runs 5] [--peers 3]
 """
 
 from __future__ import annotations
@@ -39,16 +42,47 @@ def local_decode_speed(model, ids: list[int], tokens: int) -> float:
     return (tokens - 1) / (timed(tokens) - timed(1))
 
 
-async def swarm_decode_speeds(source, maddrs: list[str], ids: list[int], tokens: int, runs: int) -> list[float]:
+def local_batch_seconds(model, batch: torch.Tensor) -> float:
+    with torch.no_grad():
+        model(batch)  # warm-up
+        t = time.perf_counter()
+        model(batch)
+        return time.perf_counter() - t
+
+
+async def swarm_decode_speed(model: RemoteCausalLM, ids: list[int], tokens: int) -> float:
+    out = await model.generate(ids, tokens, stop_at_eos=False)
+    return (len(out.token_ids) - 1) / out.decode_seconds
+
+
+async def swarm_batch_seconds(model: RemoteCausalLM, batch: torch.Tensor) -> float:
+    """Embed, run the stages, and compute logits: the same work as the local forward."""
+    t = time.perf_counter()
+    session = await model.open_session(batch.shape[1])
+    try:
+        with torch.inference_mode():
+            hidden = model.head.get_input_embeddings()(batch)
+        model.logits(await session.step(hidden))
+    finally:
+        await session.close()
+    return time.perf_counter() - t
+
+
+async def swarm_runs(source, maddrs, local, ids, batch, args) -> dict[str, list[float]]:
     swarm = await join_swarm(maddrs, client_mode=True)
+    results = {"local_tps": [], "swarm_tps": [], "local_batch": [], "swarm_batch": []}
     try:
         model = RemoteCausalLM(source, swarm)
-        await model.generate(ids, 2, stop_at_eos=False)  # warm-up: connections, caches
-        speeds = []
-        for _ in range(runs):
-            out = await model.generate(ids, tokens, stop_at_eos=False)
-            speeds.append((len(out.token_ids) - 1) / out.decode_seconds)
-        return speeds
+        await model.generate(ids, 2, stop_at_eos=False)  # warm-up: connections, links, caches
+        await swarm_batch_seconds(model, batch)
+        for run in range(args.runs):
+            results["local_tps"].append(local_decode_speed(local, ids, args.tokens))
+            results["swarm_tps"].append(await swarm_decode_speed(model, ids, args.tokens))
+            results["local_batch"].append(local_batch_seconds(local, batch))
+            results["swarm_batch"].append(await swarm_batch_seconds(model, batch))
+            print(f"run {run}: decode local {results['local_tps'][-1]:.1f} tok/s, swarm {results['swarm_tps'][-1]:.1f} tok/s; "
+                  f"batch local {results['local_batch'][-1]:.2f} s, swarm {results['swarm_batch'][-1]:.2f} s", file=sys.stderr)
+        return results
     finally:
         await swarm.shutdown()
 
@@ -56,30 +90,30 @@ async def swarm_decode_speeds(source, maddrs: list[str], ids: list[int], tokens:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--peers", type=int, default=3)
     args = parser.parse_args()
 
     source = resolve_model(None)
     local = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
     ids = RemoteCausalLM(source).encode(PROMPT, chat=True)
-    print(f"model {source.name}, prompt {len(ids)} tokens, {args.tokens} new tokens, "
+    batch = torch.randint(0, local.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+    print(f"model {source.name}, prompt {len(ids)} tokens, {args.tokens} new tokens, batch 4x128, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
 
     with LocalSwarm(model=None) as swarm:
         swarm.start(even_ranges(local.config.num_hidden_layers, args.peers))
-        ratios, local_speeds, swarm_speeds = [], [], []
-        # Interleave local and swarm runs so that load from other tenants hits both alike.
-        for _ in range(args.runs):
-            local_speeds.append(local_decode_speed(local, ids, args.tokens))
-            swarm_speeds.append(uvloop.run(swarm_decode_speeds(source, swarm.maddrs, ids, args.tokens, 1))[0])
-            ratios.append(swarm_speeds[-1] / local_speeds[-1])
-            print(f"run: local {local_speeds[-1]:.1f} tok/s, swarm {swarm_speeds[-1]:.1f} tok/s, "
-                  f"ratio {ratios[-1]:.2f}", file=sys.stderr)
+        r = uvloop.run(swarm_runs(source, swarm.maddrs, local, ids, batch, args))
 
-    print(f"local transformers : {statistics.median(local_speeds):6.1f} tokens/s (median of {args.runs})")
-    print(f"{args.peers}-peer swarm       : {statistics.median(swarm_speeds):6.1f} tokens/s (median of {args.runs})")
-    print(f"ratio swarm/local  : {statistics.median(ratios):6.2f} (runs: {', '.join(f'{r:.2f}' for r in ratios)})")
+    decode = [s / loc for s, loc in zip(r["swarm_tps"], r["local_tps"])]
+    forward = [loc / s for s, loc in zip(r["swarm_batch"], r["local_batch"])]
+    med = statistics.median
+    print(f"greedy decode, {args.tokens} tokens: local {med(r['local_tps']):.1f} tok/s, "
+          f"{args.peers}-peer swarm {med(r['swarm_tps']):.1f} tok/s, ratio {med(decode):.2f} "
+          f"(runs: {', '.join(f'{x:.2f}' for x in decode)})")
+    print(f"batch forward 4x128:     local {med(r['local_batch']):.2f} s, "
+          f"{args.peers}-peer swarm {med(r['swarm_batch']):.2f} s, ratio {med(forward):.2f} "
+          f"(runs: {', '.join(f'{x:.2f}' for x in forward)})")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ DECODE_STEPS = 24
 BATCH_TOKENS = 128
 KV_SESSIONS = 8  # sessions of full length whose KV cache a peer keeps room for
 MEMORY_SHARE = 0.8  # of the free memory, the share weights and caches may take
+THREADS_MARGIN = 0.1
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,9 @@ class ComputeBenchmark:
     batch_rate: float  # tokens per second through one layer, in a 1x128 forward
     max_layers: int  # layers that fit in memory, with room for KV caches
     device_name: str
+    # CPU threads for one-token steps: their matrices are small, so one thread often beats
+    # several that must be woken for every op (and stages sharing cores must not spin)
+    decode_threads: int
 
 
 def device_name(device: str) -> str:
@@ -85,17 +89,29 @@ def measure_compute(source: ModelSource, device: str, dtype: torch.dtype) -> Com
     layers = min(PROBE_LAYERS, config.num_hidden_layers)
     stage = load_stage(source, 0, layers, dtype, device)
     hidden = config.hidden_size
-    with tqdm(total=DECODE_STEPS + 3, desc="benchmarking compute", unit="step", file=sys.stderr, leave=False) as bar:
-        cache = stage.new_cache()
-        stage.forward(torch.randn(1, PREFILL_TOKENS, hidden, dtype=dtype), 0, cache)
-        step_times = [
-            _timed(lambda i=i: stage.forward(torch.randn(1, 1, hidden, dtype=dtype), PREFILL_TOKENS + i, cache), bar)
-            for i in range(DECODE_STEPS)
-        ]
+    all_threads = torch.get_num_threads()
+    thread_options = sorted({1, all_threads}) if device == "cpu" else [all_threads]
+    total = DECODE_STEPS * len(thread_options) + 3
+    with tqdm(total=total, desc="benchmarking compute", unit="step", file=sys.stderr, leave=False) as bar:
+        caches = {threads: stage.new_cache() for threads in thread_options}
+        for cache in caches.values():
+            stage.forward(torch.randn(1, PREFILL_TOKENS, hidden, dtype=dtype), 0, cache)
+        step_times: dict[int, list[float]] = {threads: [] for threads in thread_options}
+        for i in range(DECODE_STEPS):  # the options take turns, so a busy moment hits both
+            for threads, cache in caches.items():
+                torch.set_num_threads(threads)
+                step = torch.randn(1, 1, hidden, dtype=dtype)
+                step_times[threads].append(_timed(lambda: stage.forward(step, PREFILL_TOKENS + i, cache), bar))
+        torch.set_num_threads(all_threads)
         batch = torch.randn(1, BATCH_TOKENS, hidden, dtype=dtype)
         batch_times = [_timed(lambda: stage.forward(batch, 0, None), bar) for _ in range(3)]
     # the median step: the first ones warm caches up, and a shared machine has bad moments
-    decode_rate = layers / statistics.median(step_times)
+    step_seconds = {threads: statistics.median(times) for threads, times in step_times.items()}
+    # more threads must clearly win: they cost wake-ups, and cores that other stages may need
+    decode_threads = min(thread_options)
+    if step_seconds[max(thread_options)] < (1 - THREADS_MARGIN) * step_seconds[decode_threads]:
+        decode_threads = max(thread_options)
+    decode_rate = layers / step_seconds[decode_threads]
     batch_rate = layers * BATCH_TOKENS / min(batch_times)
     layer_bytes = stage.parameter_bytes() / layers
     head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
@@ -103,7 +119,8 @@ def measure_compute(source: ModelSource, device: str, dtype: torch.dtype) -> Com
     max_length = getattr(config, "max_position_embeddings", 2048)
     kv_bytes = 2 * kv_heads * head_dim * dtype.itemsize * max_length * KV_SESSIONS
     fit = int(free_memory(device) * MEMORY_SHARE // (layer_bytes + kv_bytes))
-    return ComputeBenchmark(decode_rate, batch_rate, max(1, min(fit, config.num_hidden_layers)), device_name(device))
+    max_layers = max(1, min(fit, config.num_hidden_layers))
+    return ComputeBenchmark(decode_rate, batch_rate, max_layers, device_name(device), decode_threads)
 
 
 def compute_benchmark(source: ModelSource, device: str, dtype: torch.dtype, force: bool = False) -> ComputeBenchmark:
@@ -118,8 +135,8 @@ def compute_benchmark(source: ModelSource, device: str, dtype: torch.dtype, forc
             pass
     result = measure_compute(source, device, dtype)
     log.info(
-        "benchmark: %.0f layer-steps/s decoding, %.0f layer-tokens/s in batches; %d layers fit",
-        result.decode_rate, result.batch_rate, result.max_layers,
+        "benchmark: %.0f layer-steps/s decoding (%d threads), %.0f layer-tokens/s in batches; %d layers fit",
+        result.decode_rate, result.decode_threads, result.batch_rate, result.max_layers,
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -90,7 +90,8 @@ class Peer:
     def _benchmark(self) -> ComputeBenchmark:
         given = self.options.throughput
         if given not in ("auto", "eval"):
-            return ComputeBenchmark(float(given), float(given), self.num_layers, device_name(self.options.device))
+            threads = torch.get_num_threads()  # not measured: keep torch's own choice
+            return ComputeBenchmark(float(given), float(given), self.num_layers, device_name(self.options.device), threads)
         return compute_benchmark(self.options.source, self.options.device, self.options.dtype, force=given == "eval")
 
     async def _measure_links(self, records: list[PeerRecord]) -> tuple[float | None, float | None]:
@@ -130,7 +131,8 @@ class Peer:
         await self.announce()
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
-            stage, self.swarm.transport, self.links, self.options.max_length, self.options.compression
+            stage, self.swarm.transport, self.links, self.options.max_length, self.options.compression,
+            bench.decode_threads,
         )
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)

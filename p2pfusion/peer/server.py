@@ -26,6 +26,7 @@ from p2pfusion.net.transport import Transport
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_WAIT = 10.0
+SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
 
 
 @dataclass
@@ -44,7 +45,15 @@ class Session:
 
 
 class StageServer:
-    def __init__(self, stage: Stage, transport: Transport, links: LinkBook, max_length: int = 2048, compression: str = AUTO):
+    def __init__(
+        self,
+        stage: Stage,
+        transport: Transport,
+        links: LinkBook,
+        max_length: int = 2048,
+        compression: str = AUTO,
+        decode_threads: int | None = None,
+    ):
         self.stage = stage
         self.transport = transport
         self.links = links
@@ -57,6 +66,8 @@ class StageServer:
         self._sink_ready: dict[str, asyncio.Event] = {}
         # One compute thread: torch already uses every core per op, and steps must not interleave.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+        self._all_threads = torch.get_num_threads()
+        self._decode_threads = decode_threads or self._all_threads
         self.draining = False
 
     async def start(self) -> None:
@@ -189,9 +200,7 @@ class StageServer:
             try:
                 hidden = self._check_hidden(session, tensor)
                 t0 = time.perf_counter()
-                out = await asyncio.get_running_loop().run_in_executor(
-                    self._compute, session.stage.forward, hidden, session.length, session.cache
-                )
+                out = await asyncio.get_running_loop().run_in_executor(self._compute, self._forward, session, hidden)
                 seconds = time.perf_counter() - t0
             except RequestError as exc:
                 await write_frame(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
@@ -204,6 +213,14 @@ class StageServer:
                 await write_frame(session.downstream, m.to_header(m.Step(step=message.step, timings=timings)), payload)
             else:
                 await write_frame(session.sink, m.to_header(m.Result(step=message.step, timings=timings)), payload)
+
+    def _forward(self, session: Session, hidden: torch.Tensor) -> torch.Tensor:
+        """Runs on the compute thread, whose torch thread count is its own to set."""
+        rows = hidden.shape[0] * hidden.shape[1]
+        threads = self._decode_threads if rows <= SMALL_STEP_ROWS else self._all_threads
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        return session.stage.forward(hidden, session.length, session.cache)
 
     @staticmethod
     def _pack(session: Session, out: torch.Tensor) -> Packed:
