@@ -58,13 +58,7 @@ async def swarm_decode_speed(model: RemoteCausalLM, ids: list[int], tokens: int)
 async def swarm_batch_seconds(model: RemoteCausalLM, batch: torch.Tensor) -> float:
     """Embed, run the stages, and compute logits: the same work as the local forward."""
     t = time.perf_counter()
-    session = await model.open_session(batch.shape[1])
-    try:
-        with torch.inference_mode():
-            hidden = model.head.get_input_embeddings()(batch)
-        model.logits(await session.step(hidden))
-    finally:
-        await session.close()
+    await model.forward_logits(batch)
     return time.perf_counter() - t
 
 

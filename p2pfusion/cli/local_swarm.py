@@ -28,10 +28,12 @@ class LocalSwarm:
     processes: list[subprocess.Popen] = field(default_factory=list)
     maddrs: list[str] = field(default_factory=list)
 
-    def launch(self, layers: tuple[int, int] | None, extra: list[str] | None = None) -> subprocess.Popen:
-        """Start one peer process; the first one starts the swarm."""
+    def launch(
+        self, layers: tuple[int, int] | None, extra: list[str] | None = None, prefix: list[str] | None = None
+    ) -> subprocess.Popen:
+        """Start one peer process (under `prefix`, e.g. `ip netns exec NS`); the first one starts the swarm."""
         index = len(self.processes)
-        cmd = [sys.executable, "-m", "p2pfusion.cli.main", "run-peer"]
+        cmd = [*(prefix or []), sys.executable, "-m", "p2pfusion.cli.main", "run-peer"]
         if self.model is not None:
             cmd += ["--model", self.model]
         cmd += ["--new-swarm"] if not self.maddrs else ["--initial-peers", *self.maddrs]

@@ -97,6 +97,18 @@ class RemoteCausalLM:
         )
         return await session.open()
 
+    async def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits of a batch of sequences [batch, tokens], as the local model's forward gives them."""
+        if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise RequestError(f"input_ids must have shape [batch, tokens], got {list(input_ids.shape)}")
+        session = await self.open_session(input_ids.shape[1])
+        try:
+            with torch.inference_mode():
+                hidden = self.head.get_input_embeddings()(input_ids).to(self.dtype)
+            return self.logits(await session.step(hidden))
+        finally:
+            await session.close()
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(inputs_embeds=hidden).logits

@@ -16,7 +16,7 @@ from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import pack
-from p2pfusion.net.compression import AUTO, LinkSpeed, choose_codec
+from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.transport import Transport
@@ -27,14 +27,22 @@ STEP_TIMEOUT = 60.0
 
 class InferenceSession:
     def __init__(
-        self, transport: Transport, route: list[PeerRecord], max_length: int, compression: str = AUTO, links: LinkBook | None = None
+        self,
+        transport: Transport,
+        route: list[PeerRecord],
+        max_length: int,
+        compression: str = AUTO,
+        links: LinkBook | None = None,
+        purpose: Purpose = Purpose.INFERENCE,
     ):
         self.transport = transport
         self.route = route
         self.max_length = max_length
         self.compression = compression
         self.links = links
-        self.first_link: LinkSpeed | None = None  # picks the codec of what this client sends
+        self.purpose = purpose
+        self.first_link: LinkSpeed | None = None  # picks the codec of the hidden states we send
+        self.last_link: LinkSpeed | None = None  # and of the gradients
         self.session_id = uuid.uuid4().hex
         self.position = 0
         self.leaving: set[str] = set()  # peers of this route that asked us to move
@@ -60,26 +68,26 @@ class InferenceSession:
             raise PeerFailed(f"peer {record.peer_id} did not answer: {exc!r}", record.peer_id) from exc
         m.raise_for_error(m.from_header(header))
 
-    async def _measure_links(self) -> LinkSpeed | None:
-        """Measure the links to the first hop (our sends) and the last (its results); returns the last."""
+    async def _measure_links(self) -> None:
+        """The links to the first hop (our inputs) and to the last (results and our gradients)."""
         if self.compression != AUTO or self.links is None:
-            return None
+            return
         first, last = self.route[0], self.route[-1]
-        self.first_link, last_link = await asyncio.gather(
+        self.first_link, self.last_link = await asyncio.gather(
             self.links.get(first.peer_id, first.data_addrs), self.links.get(last.peer_id, last.data_addrs)
         )
-        return last_link
 
     async def open(self) -> InferenceSession:
-        last_link = await self._measure_links()
+        await self._measure_links()
         try:
             sink_reader, self._sink = await self._connect(self.route[-1])
             await write_frame(self._sink, m.to_header(m.Subscribe(self.session_id)))
             await self._expect_ack(sink_reader, self.route[-1])
             head_reader, self._head = await self._connect(self.route[0])
             hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
-            rtt, bandwidth = (last_link.rtt, last_link.bytes_per_second) if last_link else (None, None)
-            opening = m.Open(self.session_id, self.max_length, hops, self.compression, rtt, bandwidth)
+            opening = m.Open(
+                self.session_id, self.max_length, hops, self.compression, self.purpose, self.first_link, self.last_link
+            )
             await write_frame(self._head, m.to_header(opening))
             await self._expect_ack(head_reader, self.route[0])
         except BaseException:
@@ -113,16 +121,39 @@ class InferenceSession:
         return self.leaving
 
     async def step(self, hidden: torch.Tensor, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
-        """Send hidden states for the next positions; get the last stage's output for them."""
-        if self.position + hidden.shape[1] > self.max_length:
-            raise RequestError(f"session would reach {self.position + hidden.shape[1]} tokens, past its max length {self.max_length}")
+        """Send hidden states for the next positions; get the last stage's output for them. In a
+        training session each step is a whole sequence, whose gradient `backward` takes."""
+        training = self.purpose == Purpose.TRAINING
+        length = hidden.shape[1] + (0 if training else self.position)
+        if length > self.max_length:
+            raise RequestError(f"session would reach {length} tokens, past its max length {self.max_length}")
         self._step += 1
         t0 = time.perf_counter()
+        await self._send(self._head, self.route[0], m.Step(step=self._step), hidden, self.first_link)
+        tensor = await self._reply(m.Result, timeout)
+        if not training:
+            self.position += hidden.shape[1]
+        self.seconds = time.perf_counter() - t0
+        return tensor
+
+    async def backward(self, grad: torch.Tensor, step: int | None = None, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
+        """The gradient of a training step's input (the latest step by default), given its output's."""
+        if self.purpose != Purpose.TRAINING:
+            raise RequestError("backward needs a session opened for training")
+        step = self._step if step is None else step
+        await self._send(self._sink, self.route[-1], m.Backward(step=step), grad, self.last_link)
+        return await self._reply(m.Backward, timeout, step)
+
+    async def _send(self, writer, record: PeerRecord, message, tensor: torch.Tensor, link: LinkSpeed | None) -> None:
+        choice = choose_codec(link, tensor.numel() * 4, self.purpose, self.compression)
         try:
-            choice = choose_codec(self.first_link, hidden.numel() * 4, forced=self.compression)
-            await write_frame(self._head, m.to_header(m.Step(step=self._step)), pack(hidden, choice.codec, choice.k))
+            await write_frame(writer, m.to_header(message), pack(tensor, choice.codec, choice.k))
         except (ConnectionError, RuntimeError) as exc:
-            raise PeerFailed(f"peer {self.route[0].peer_id} closed the session: {exc!r}", self.route[0].peer_id) from exc
+            raise PeerFailed(f"peer {record.peer_id} closed the session: {exc!r}", record.peer_id) from exc
+
+    async def _reply(self, kind: type, timeout: float, step: int | None = None) -> torch.Tensor:
+        """Wait for the `kind` reply to a step, taking in notices and raising errors on the way."""
+        step = self._step if step is None else step
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -134,10 +165,8 @@ class InferenceSession:
                 self.leaving.add(reply.peer_id)
             elif isinstance(reply, m.Error):
                 m.raise_for_error(reply)
-            elif isinstance(reply, m.Result) and reply.step == self._step:
-                self.position += hidden.shape[1]
+            elif isinstance(reply, kind) and reply.step == step:
                 self.timings = reply.timings
-                self.seconds = time.perf_counter() - t0
                 return tensor
 
     async def close(self) -> None:

@@ -95,6 +95,16 @@ class Stage:
         )
         return out.last_hidden_state.cpu()
 
+    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+        """The gradient of a full-sequence forward's input, given its output's gradient. The forward
+        is computed again rather than kept from the first pass, so a peer holds only the inputs."""
+        with torch.enable_grad():
+            inputs = hidden.detach().to(self.device).requires_grad_(True)
+            positions = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
+            out = self.module(inputs_embeds=inputs, position_ids=positions, use_cache=False).last_hidden_state
+            out.backward(grad_output.to(self.device))
+        return inputs.grad.cpu()
+
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 

@@ -6,9 +6,11 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
    each hop opens the next hop the same way, so the route is set up peer to peer.
 3. Each `Step` carries hidden states to a hop, which computes and pushes a `Step` to the next hop,
    or a `Result` to the client's output stream if it is the last.
-4. `Error` travels back upstream to the client; `Close` travels down and frees every KV cache.
+4. In a training session, `Backward` carries the gradient of a step's output from the client to
+   the last hop, and each hop sends the gradient of its input upstream, down to the client.
+5. `Error` travels back upstream to the client; `Close` travels down and frees every KV cache.
    An error that names `failed_peer` means that peer is gone: the client routes around it.
-5. A peer that is leaving sends `Leaving` upstream once its steps in flight are done, so the
+6. A peer that is leaving sends `Leaving` upstream once its steps in flight are done, so the
    client moves its session before its next step, with no error.
 Each hop adds its own compute time to a step's `timings`, so the client learns per-peer speeds.
 """
@@ -19,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from p2pfusion.errors import PeerFailed, RequestError
-from p2pfusion.net.compression import AUTO, LinkSpeed, parse_compression
+from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, parse_compression
 
 PROTOCOL = "p2pfusion.inference.v2"
 
@@ -45,8 +47,9 @@ class Open:
     max_length: int
     route: list[Hop] = field(default_factory=list)
     compression: str = AUTO  # or a codec every hop must use
-    client_rtt: float | None = None  # the client's link to the last hop, which picks the results' codec
-    client_bandwidth: float | None = None
+    purpose: Purpose = Purpose.INFERENCE
+    link: LinkSpeed | None = None  # between the sender of this Open and its receiver (for gradients)
+    client_link: LinkSpeed | None = None  # between the client and the last hop (for results)
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,15 @@ class Step:
     kind: ClassVar[str] = "step"
     step: int
     timings: list[tuple[str, float]] = field(default_factory=list)  # (peer id, compute seconds) per hop
+
+
+@dataclass(frozen=True)
+class Backward:
+    """The gradient of a training step's output (toward the last hop) or of its input (upstream)."""
+
+    kind: ClassVar[str] = "backward"
+    step: int
+    timings: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -89,11 +101,14 @@ class Close:
     kind: ClassVar[str] = "close"
 
 
-MESSAGES = {cls.kind: cls for cls in (Subscribe, Open, Ack, Step, Result, Error, Close, Leaving)}
+MESSAGES = {cls.kind: cls for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving)}
 
 
 def to_header(message: Any) -> dict[str, Any]:
-    return {"kind": message.kind, **asdict(message)}
+    header = {"kind": message.kind, **asdict(message)}
+    if isinstance(message, Open):
+        header["purpose"] = message.purpose.value
+    return header
 
 
 def _typed(value: Any, expected: type, name: str) -> Any:
@@ -125,17 +140,22 @@ def from_header(header: dict[str, Any]) -> Any:
             compression = parse_compression(_typed(header.get("compression", AUTO), str, "compression"))
         except ValueError as exc:
             raise RequestError(str(exc)) from None
+        try:
+            purpose = Purpose(header.get("purpose", Purpose.INFERENCE.value))
+        except ValueError:
+            raise RequestError(f"unknown session purpose {header.get('purpose')!r}") from None
         return Open(
             session_id=_typed(header.get("session_id"), str, "session_id"),
             max_length=_typed(header.get("max_length"), int, "max_length"),
             route=[_hop(h) for h in route],
             compression=compression,
-            client_rtt=_positive(header.get("client_rtt"), "client_rtt"),
-            client_bandwidth=_positive(header.get("client_bandwidth"), "client_bandwidth"),
+            purpose=purpose,
+            link=_link(header.get("link"), "link"),
+            client_link=_link(header.get("client_link"), "client_link"),
         )
     if cls is Subscribe:
         return Subscribe(session_id=_typed(header.get("session_id"), str, "session_id"))
-    if cls in (Step, Result):
+    if cls in (Step, Backward, Result):
         return cls(step=_typed(header.get("step"), int, "step"), timings=_timings(header.get("timings", [])))
     if cls is Error:
         failed = header.get("failed_peer")
@@ -157,18 +177,21 @@ def raise_for_error(reply: Any) -> None:
         raise RequestError(reply.message)
 
 
-def _positive(raw: Any, name: str) -> float | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not 0 < raw < float("inf"):
-        raise RequestError(f"field {name!r} must be a positive number")
+def _positive(raw: Any, name: str) -> float:
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not 0 <= raw < float("inf"):
+        raise RequestError(f"field {name!r} must be a finite number >= 0")
     return float(raw)
 
 
-def client_link(message: Open) -> LinkSpeed | None:
-    if message.client_rtt is None or message.client_bandwidth is None:
+def _link(raw: Any, name: str) -> LinkSpeed | None:
+    if raw is None:
         return None
-    return LinkSpeed(message.client_rtt, message.client_bandwidth)
+    if not isinstance(raw, dict):
+        raise RequestError(f"field {name!r} must be a map")
+    bandwidth = _positive(raw.get("bytes_per_second"), f"{name}.bytes_per_second")
+    if bandwidth == 0:
+        raise RequestError(f"field {name}.bytes_per_second must be positive")
+    return LinkSpeed(rtt=_positive(raw.get("rtt"), f"{name}.rtt"), bytes_per_second=bandwidth)
 
 
 def _timings(raw: Any) -> list[tuple[str, float]]:

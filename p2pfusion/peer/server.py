@@ -1,4 +1,5 @@
-"""Serve one pipeline stage: inference sessions with a KV cache each, pushed on to the next hop.
+"""Serve one pipeline stage: sessions pushed on to the next hop, with a KV cache each for inference,
+and gradients passed back upstream for training.
 
 A bad request fails only its own session (or only its own step, when the stream is still
 readable); every other session on this peer goes on. See p2pfusion.net.messages for the protocol.
@@ -10,38 +11,22 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
-from p2pfusion.net.codecs import Packed, pack
-from p2pfusion.net.compression import AUTO, LinkSpeed, choose_codec
+from p2pfusion.net.compression import AUTO
 from p2pfusion.net.framing import BadTensor, FrameError, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.transport import Transport
+from p2pfusion.peer.session import Session
 
 log = logging.getLogger(__name__)
 
 SUBSCRIBE_WAIT = 10.0
 SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
-
-
-@dataclass
-class Session:
-    session_id: str
-    max_length: int
-    stage: Stage  # kept per session: sessions opened before a move finish on the old layers
-    cache: object
-    upstream: asyncio.StreamWriter
-    compression: str = AUTO
-    link: LinkSpeed | None = None  # to the next hop, or to the client from the last hop
-    length: int = 0
-    downstream: asyncio.StreamWriter | None = None
-    sink: asyncio.StreamWriter | None = None
-    relay: asyncio.Task | None = field(default=None, repr=False)
 
 
 class StageServer:
@@ -111,11 +96,12 @@ class StageServer:
             writer.close()
 
     async def _serve_subscriber(self, msg: m.Subscribe, reader, writer) -> None:
+        """The client's stream to the last hop: results go out on it, training gradients come in."""
         self._sinks[msg.session_id] = writer
         self._sink_ready.setdefault(msg.session_id, asyncio.Event()).set()
         try:
             await write_frame(writer, m.to_header(m.Ack()))
-            await reader.read()  # the client closes this stream when its session ends
+            await self._serve_gradients(msg.session_id, reader, writer)
         finally:
             self._sinks.pop(msg.session_id, None)
             self._sink_ready.pop(msg.session_id, None)
@@ -141,11 +127,16 @@ class StageServer:
 
     async def _serve_session(self, msg: m.Open, reader, writer) -> None:
         self._check_open(msg)
-        compression = msg.compression if msg.compression != AUTO else self.compression
-        session = Session(msg.session_id, msg.max_length, self.stage, self.stage.new_cache(), writer, compression)
+        session = Session(
+            msg.session_id, msg.max_length, self.stage, writer, msg.purpose,
+            compression=msg.compression if msg.compression != AUTO else self.compression,
+            upstream_link=msg.link,
+        )
+        if not session.training:
+            session.cache = self.stage.new_cache()
         self.sessions[msg.session_id] = session
         try:
-            await self._connect_onward(session, msg, writer)
+            await self._connect_onward(session, msg)
             await write_frame(writer, m.to_header(m.Ack()))
             await self._run_steps(session, reader, writer)
         finally:
@@ -156,7 +147,7 @@ class StageServer:
                 await _send_quietly(session.downstream, m.Close())
                 session.downstream.close()
 
-    async def _connect_onward(self, session: Session, msg: m.Open, upstream) -> None:
+    async def _connect_onward(self, session: Session, msg: m.Open) -> None:
         if len(msg.route) == 1:
             ready = self._sink_ready.setdefault(msg.session_id, asyncio.Event())
             try:
@@ -164,7 +155,7 @@ class StageServer:
             except TimeoutError:
                 raise RequestError("open: the client opened no output stream to the last hop") from None
             session.sink = self._sinks[msg.session_id]
-            session.link = m.client_link(msg)
+            session.link = msg.client_link
             return
         nxt = msg.route[1]
         if session.compression == AUTO:
@@ -172,7 +163,7 @@ class StageServer:
         try:
             reader, writer = await self.transport.open(nxt.peer_id, nxt.data_addrs, m.PROTOCOL)
             onward = m.Open(
-                msg.session_id, msg.max_length, msg.route[1:], msg.compression, msg.client_rtt, msg.client_bandwidth
+                msg.session_id, msg.max_length, msg.route[1:], msg.compression, msg.purpose, session.link, msg.client_link
             )
             await write_frame(writer, m.to_header(onward))
             header, _ = await read_frame(reader)
@@ -180,7 +171,7 @@ class StageServer:
             raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
         m.raise_for_error(m.from_header(header))
         session.downstream = writer
-        session.relay = asyncio.create_task(_relay_errors(reader, upstream, nxt.peer_id))
+        session.relay = asyncio.create_task(self._relay(session, reader, nxt.peer_id))
 
     async def _run_steps(self, session: Session, reader, writer) -> None:
         while True:
@@ -189,8 +180,7 @@ class StageServer:
             except EOFError:
                 return
             except BadTensor as exc:
-                step = exc.header.get("step")
-                await write_frame(writer, m.to_header(m.Error(message=str(exc), step=step if isinstance(step, int) else -1)))
+                await _send_quietly(writer, m.Error(message=str(exc), step=_step_of(exc.header)))
                 continue
             message = m.from_header(header)
             if isinstance(message, m.Close):
@@ -198,64 +188,97 @@ class StageServer:
             if not isinstance(message, m.Step):
                 raise RequestError(f"unexpected {message.kind!r} message inside a session")
             try:
-                hidden = self._check_hidden(session, tensor)
-                t0 = time.perf_counter()
-                out = await asyncio.get_running_loop().run_in_executor(self._compute, self._forward, session, hidden)
-                seconds = time.perf_counter() - t0
+                hidden = session.check_hidden(tensor)
+                out, seconds = await self._run(self._forward, session, hidden)
             except RequestError as exc:
                 await write_frame(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
                 continue
-            session.length += hidden.shape[1]
+            if session.training:
+                session.saved[message.step] = hidden
+            else:
+                session.length += hidden.shape[1]
             self.tokens_done += hidden.shape[0] * hidden.shape[1]
             timings = [*message.timings, (self.peer_id, seconds)]
-            payload = self._pack(session, out)
             if session.downstream is not None:
-                await write_frame(session.downstream, m.to_header(m.Step(step=message.step, timings=timings)), payload)
+                await write_frame(session.downstream, m.to_header(m.Step(message.step, timings)), session.pack(out))
             else:
-                await write_frame(session.sink, m.to_header(m.Result(step=message.step, timings=timings)), payload)
+                await write_frame(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
 
-    def _forward(self, session: Session, hidden: torch.Tensor) -> torch.Tensor:
+    async def _run(self, fn, session: Session, *tensors: torch.Tensor) -> tuple[torch.Tensor, float]:
+        t0 = time.perf_counter()
+        out = await asyncio.get_running_loop().run_in_executor(self._compute, fn, session, *tensors)
+        session.compute_seconds = time.perf_counter() - t0
+        return out, session.compute_seconds
+
+    def _threads_for(self, hidden: torch.Tensor) -> None:
         """Runs on the compute thread, whose torch thread count is its own to set."""
         rows = hidden.shape[0] * hidden.shape[1]
         threads = self._decode_threads if rows <= SMALL_STEP_ROWS else self._all_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+    def _forward(self, session: Session, hidden: torch.Tensor) -> torch.Tensor:
+        self._threads_for(hidden)
         return session.stage.forward(hidden, session.length, session.cache)
 
-    @staticmethod
-    def _pack(session: Session, out: torch.Tensor) -> Packed:
-        choice = choose_codec(session.link, out.numel() * 4, forced=session.compression)
-        return pack(out, choice.codec, choice.k)
+    def _backward(self, session: Session, hidden: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        self._threads_for(hidden)
+        return session.stage.backward(hidden, grad)
 
-    def _check_hidden(self, session: Session, tensor: torch.Tensor | None) -> torch.Tensor:
-        stage = session.stage
-        if tensor is None:
-            raise RequestError("step carries no hidden states")
-        if tensor.dtype != stage.dtype:
-            raise RequestError(f"hidden states must be {stage.dtype}, got {tensor.dtype}")
-        if tensor.dim() != 3 or tensor.shape[0] < 1 or tensor.shape[1] < 1 or tensor.shape[2] != stage.hidden_size:
-            raise RequestError(
-                f"hidden states must have shape [batch, tokens, {stage.hidden_size}], got {list(tensor.shape)}"
-            )
-        if session.length + tensor.shape[1] > session.max_length:
-            raise RequestError(
-                f"session length {session.length + tensor.shape[1]} exceeds its max_length {session.max_length}"
-            )
-        if not torch.isfinite(tensor).all():
-            raise RequestError("hidden states contain NaN or infinity")
-        return tensor
+    async def _on_backward(self, session_id: str, message: m.Backward, grad: torch.Tensor | None, reply) -> None:
+        """Compute a step's input gradient and send it upstream; a bad one answers with an Error."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            await _send_quietly(reply, m.Error(message=f"backward: unknown session {session_id}", step=message.step))
+            return
+        try:
+            hidden, grad = session.take_saved(message.step, grad)
+            grad_in, seconds = await self._run(self._backward, session, hidden, grad)
+        except RequestError as exc:
+            await _send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
+            return
+        timings = [*message.timings, (self.peer_id, seconds)]
+        await write_frame(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
 
-
-async def _relay_errors(downstream_reader, upstream_writer, next_peer: str) -> None:
-    """Pass errors and notices from later hops back toward the client; results go straight to it."""
-    try:
+    async def _serve_gradients(self, session_id: str, reader, writer) -> None:
+        """On the client's stream to the last hop: take gradients until the client closes it."""
         while True:
-            header, _ = await read_frame(downstream_reader)
-            await write_frame(upstream_writer, header)
-    except (EOFError, FrameError, ConnectionError):
-        await _send_quietly(
-            upstream_writer, m.Error(message=f"the next hop {next_peer} closed the session", failed_peer=next_peer)
-        )
+            try:
+                header, tensor = await read_frame(reader)
+            except BadTensor as exc:
+                await _send_quietly(writer, m.Error(message=str(exc), step=_step_of(exc.header)))
+                continue
+            except (EOFError, ConnectionError):
+                return
+            message = m.from_header(header)
+            if not isinstance(message, m.Backward):
+                raise RequestError(f"unexpected {message.kind!r} message on a result stream")
+            await self._on_backward(session_id, message, tensor, writer)
+
+    async def _relay(self, session: Session, downstream_reader, next_peer: str) -> None:
+        """From the next hop: gradients to compute on, and errors and notices to pass back to the client."""
+        try:
+            while True:
+                try:
+                    header, tensor = await read_frame(downstream_reader)
+                    if header.get("kind") == m.Backward.kind:
+                        await self._on_backward(session.session_id, m.from_header(header), tensor, session.upstream)
+                    else:
+                        await write_frame(session.upstream, header)
+                except FrameError:
+                    raise  # the stream is out of step: it ends below
+                except RequestError as exc:  # one bad gradient or message costs its step only
+                    step = _step_of(exc.header) if isinstance(exc, BadTensor) else -1
+                    await _send_quietly(session.upstream, m.Error(message=str(exc), step=step))
+        except (EOFError, FrameError, ConnectionError):
+            await _send_quietly(
+                session.upstream, m.Error(message=f"the next hop {next_peer} closed the session", failed_peer=next_peer)
+            )
+
+
+def _step_of(header: dict) -> int:
+    step = header.get("step")
+    return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
 async def _send_quietly(writer: asyncio.StreamWriter, message) -> None:

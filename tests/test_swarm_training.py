@@ -1,0 +1,60 @@
+"""Remote backward through real peers: input gradients match local autograd on transformers' model."""
+
+import pytest
+import torch
+import uvloop
+
+from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.routing import find_route
+from p2pfusion.client.session import InferenceSession
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import RequestError
+from p2pfusion.net.compression import Purpose
+from tests.conftest import reference_model
+from tests.swarm import running_peers
+
+IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1], [9, 8, 7, 6, 5, 4, 3, 2]])
+
+
+async def _open(client, model, purpose):
+    route = find_route(await client.lookup(model.source.name), model.config.num_hidden_layers)
+    return await InferenceSession(client.transport, route, 16, purpose=purpose).open()
+
+
+async def _scenario(source):
+    model = RemoteCausalLM(source)
+    embeds = model.head.get_input_embeddings()(IDS).detach()
+    async with running_peers(source, [(0, 2), (2, 3), (3, 4)]) as (_, maddrs):
+        client = await join_swarm(maddrs, client_mode=True)
+        try:
+            inference = await _open(client, model, Purpose.INFERENCE)
+            with pytest.raises(RequestError, match="opened for training"):
+                await inference.backward(torch.zeros(2, 8, 64))
+            await inference.close()
+            session = await _open(client, model, Purpose.TRAINING)
+            try:
+                out = (await session.step(embeds)).requires_grad_(True)
+                with pytest.raises(RequestError, match="no forward of step 7"):
+                    await session.backward(torch.zeros(2, 8, 64), step=7)
+                with pytest.raises(RequestError, match="gradient must be"):
+                    await session.backward(torch.zeros(2, 7, 64))
+                loss = model.head(inputs_embeds=out, labels=IDS).loss
+                loss.backward()
+                grad = await session.backward(out.grad)  # the bad gradient before it cost nothing
+            finally:
+                await session.close()
+        finally:
+            await client.shutdown()
+    return loss.detach(), grad
+
+
+def test_input_gradients_match_local_autograd(tiny_models):
+    source = tiny_models["llama"]
+    loss, grad = uvloop.run(_scenario(source))
+    ref = reference_model(source)
+    embeds = ref.get_input_embeddings()(IDS).detach().requires_grad_(True)
+    expected = ref(inputs_embeds=embeds, labels=IDS)
+    expected.loss.backward()
+    torch.testing.assert_close(loss, expected.loss.detach(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(grad, embeds.grad, atol=1e-6, rtol=1e-4)
+    assert grad.abs().max() > 0
