@@ -8,7 +8,9 @@ no netem): RTTs stay well under a millisecond, so the figures isolate bandwidth,
 codec changes. For each rate and codec (forced by the client on every hop; `auto` lets each hop
 choose from its measured link), it measures:
 - tokens/s of greedy generation (prefill excluded);
-- seconds per forward of a 4x128 batch, to logits.
+- seconds per forward of a 4x128 batch, to logits;
+- seconds per training step (forward and backward) of a 4x128 batch, with the loss computed on
+  the client and gradients sent back through every hop (top-k applies here only).
 It prints the speedup of `auto` over `none`. Needs root (ip netns, tc); it removes its namespaces
 and bridge when it ends, even on Ctrl-C. Addresses are 10.77.0.0/24, inside those namespaces only.
 Usage: python scripts/bench_slow_links.py [--rates 10,100] [--tokens 32] [--runs 2]
@@ -35,7 +37,8 @@ from p2pfusion.models.source import resolve_model
 PEERS = 3
 BRIDGE = "p2pfbr0"
 SUBNET = "10.77.0"
-CODECS = ["none", "float16", "bfloat16", "int8", "auto"]
+INFERENCE_CODECS = ["none", "float16", "bfloat16", "int8", "auto"]
+TRAINING_CODECS = ["none", "bfloat16", "int8", "topk", "auto"]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -97,26 +100,38 @@ def start_swarm(network: ShapedNetwork, num_layers: int) -> LocalSwarm:
     return swarm
 
 
-async def measure(source, maddrs: list[str], ids: list[int], batch: torch.Tensor, args) -> dict[str, tuple[float, float]]:
+async def _timed(coroutine) -> float:
+    t0 = time.perf_counter()
+    await coroutine
+    return time.perf_counter() - t0
+
+
+async def measure(source, maddrs: list[str], ids: list[int], batch: torch.Tensor, args) -> dict[str, list]:
+    """Per codec: [generation tok/s, forward seconds, training step seconds], None where not applicable."""
     client = await join_swarm(maddrs, host=f"{SUBNET}.1", client_mode=True)
     results = {}
     try:
-        for codec in CODECS:
+        for codec in dict.fromkeys(INFERENCE_CODECS + TRAINING_CODECS):
             model = RemoteCausalLM(source, client, compression=codec)
-            await model.generate(ids, 2, stop_at_eos=False)  # warm-up: connections and link probes
-            speeds, seconds = [], []
-            for _ in range(args.runs):
-                out = await model.generate(ids, args.tokens, stop_at_eos=False)
-                speeds.append((len(out.token_ids) - 1) / out.decode_seconds)
-                t0 = time.perf_counter()
-                await model.forward_logits(batch)
-                seconds.append(time.perf_counter() - t0)
-            results[codec] = (statistics.median(speeds), statistics.median(seconds))
-            print(f"  {codec:9} generation {results[codec][0]:6.1f} tok/s   forward 4x128 {results[codec][1]:6.2f} s",
-                  file=sys.stderr)
+            speeds, forwards, steps = [], [], []
+            if codec in INFERENCE_CODECS:
+                await model.generate(ids, 2, stop_at_eos=False)  # warm-up: connections and link probes
+                for _ in range(args.runs):
+                    out = await model.generate(ids, args.tokens, stop_at_eos=False)
+                    speeds.append((len(out.token_ids) - 1) / out.decode_seconds)
+                    forwards.append(await _timed(model.forward_logits(batch)))
+            if codec in TRAINING_CODECS:
+                await model.train_step(batch[:, :8], batch[:, :8])  # warm-up
+                steps = [await _timed(model.train_step(batch, batch)) for _ in range(args.runs)]
+            results[codec] = [statistics.median(x) if x else None for x in (speeds, forwards, steps)]
+            print(f"  {codec:9} " + "  ".join(_cell(v) for v in results[codec]), file=sys.stderr)
     finally:
         await client.shutdown()
     return results
+
+
+def _cell(value: float | None, width: int = 10) -> str:
+    return f"{value:{width}.2f}" if value is not None else f"{'-':>{width}}"
 
 
 def main() -> None:
@@ -141,13 +156,13 @@ def main() -> None:
                 table[mbit] = uvloop.run(measure(source, swarm.maddrs, ids, batch, args))
             finally:
                 swarm.stop()
-    print(f"{'link':>9} {'codec':9} {'generation tok/s':>17} {'forward 4x128 s':>16}")
+    print(f"{'link':>9} {'codec':9} {'generation tok/s':>17} {'forward 4x128 s':>16} {'train step 4x128 s':>19}")
     for mbit, rows in table.items():
-        for codec, (speed, seconds) in rows.items():
-            print(f"{mbit:>4} Mbit {codec:9} {speed:17.1f} {seconds:16.2f}")
+        for codec, (speed, forward, step) in rows.items():
+            print(f"{mbit:>4} Mbit {codec:9} {_cell(speed, 17)} {_cell(forward, 16)} {_cell(step, 19)}")
         auto, none = rows["auto"], rows["none"]
         print(f"{mbit:>4} Mbit speedup of auto over none: generation {auto[0] / none[0]:.2f}x, "
-              f"forward {none[1] / auto[1]:.2f}x")
+              f"forward {none[1] / auto[1]:.2f}x, training step {none[2] / auto[2]:.2f}x")
 
 
 if __name__ == "__main__":

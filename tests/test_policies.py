@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from p2pfusion.client.health import BAN_MAX, PeerHealth
 from p2pfusion.client.routing import find_route
+from p2pfusion.client.session import MIN_CHUNK_TOKENS, chunk_sizes
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RouteError
 from tests.policy_records import rec
@@ -90,3 +91,14 @@ def test_observed_speed_is_a_moving_average_per_layer():
     assert health.observed["p"] == pytest.approx(100.0)
     health.observe("p", layers=10, seconds=0.05)
     assert 100.0 < health.observed["p"] < 200.0
+
+
+def test_chunks_cover_the_step_in_pipeline_sized_pieces():
+    assert chunk_sizes(1, 3) == [1] and chunk_sizes(100, 3) == [100]
+    assert chunk_sizes(128, 3) == [64, 64] and chunk_sizes(128, 1) == [128]
+    for tokens in range(1, 600, 7):
+        for hops in range(1, 6):
+            sizes = chunk_sizes(tokens, hops)
+            assert sum(sizes) == tokens and len(sizes) <= hops
+            assert len(sizes) == 1 or min(sizes) >= MIN_CHUNK_TOKENS
+            assert max(sizes) - min(sizes) <= 1

@@ -66,3 +66,22 @@ def test_default_model_greedy_32_tokens_match_generate(default_model):
     assert generated.token_ids == expected
     # transformers' last hidden state is after the final norm, which runs on the client
     torch.testing.assert_close(model.head.model.norm(final), out.hidden_states[-1], atol=1e-4, rtol=0)
+
+
+async def _batch_logits(source, batch):
+    async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
+        swarm = await join_swarm(maddrs, client_mode=True)
+        try:
+            return await RemoteCausalLM(source, swarm).forward_logits(batch)
+        finally:
+            await swarm.shutdown()
+
+
+def test_batch_forward_in_pipelined_chunks_matches_transformers(tiny_models):
+    """128 tokens through 2 hops go as two 64-token pieces, overlapped; logits must not change."""
+    source = tiny_models["qwen2"]
+    batch = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
+    logits = uvloop.run(_batch_logits(source, batch))
+    with torch.no_grad():
+        expected = reference_model(source)(batch).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

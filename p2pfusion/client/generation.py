@@ -11,11 +11,13 @@ from transformers import AutoTokenizer
 
 from p2pfusion.client.failover import ResilientSession
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
+from p2pfusion.client.routing import find_route
+from p2pfusion.client.session import InferenceSession
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_head
-from p2pfusion.net.compression import AUTO
+from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.links import LinkBook
 
 
@@ -86,16 +88,38 @@ class RemoteCausalLM:
             ))
         return list(self.tokenizer(prompt)["input_ids"])
 
-    async def open_session(self, max_length: int) -> ResilientSession:
+    def _link_book(self) -> LinkBook:
         if self.swarm is None:
             raise RequestError("this model is not attached to a swarm")
         if self._links is None or self._links.transport is not self.swarm.transport:
             self._links = LinkBook(self.swarm.transport)
+        return self._links
+
+    async def open_session(self, max_length: int) -> ResilientSession:
+        links = self._link_book()
         session = ResilientSession(
-            self.swarm, self.source.name, self.config.num_hidden_layers, max_length, self.health, self._links,
+            self.swarm, self.source.name, self.config.num_hidden_layers, max_length, self.health, links,
             self.compression,
         )
         return await session.open()
+
+    async def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward and backward pass through the swarm: the loss (as transformers computes it from
+        `labels`) and its gradient with respect to the input embeddings. Peers' weights stay frozen."""
+        links = self._link_book()
+        records = await self.swarm.lookup(self.source.name)
+        route = find_route(records, self.config.num_hidden_layers, self.health.observed, self.health.banned())
+        session = await InferenceSession(
+            self.swarm.transport, route, input_ids.shape[1], self.compression, links, Purpose.TRAINING
+        ).open()
+        try:
+            embeds = self.head.get_input_embeddings()(input_ids).detach().to(self.dtype)
+            out = (await session.step(embeds)).requires_grad_(True)
+            loss = self.head(inputs_embeds=out, labels=labels).loss
+            loss.backward()
+            return loss.detach(), await session.backward(out.grad)
+        finally:
+            await session.close()
 
     async def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits of a batch of sequences [batch, tokens], as the local model's forward gives them."""

@@ -23,6 +23,15 @@ from p2pfusion.net.transport import Transport
 
 OPEN_TIMEOUT = 15.0
 STEP_TIMEOUT = 60.0
+MIN_CHUNK_TOKENS = 64  # smaller pieces make matrix products less efficient than the overlap gains
+
+
+def chunk_sizes(tokens: int, hops: int) -> list[int]:
+    """How to split an inference step's tokens so the hops work on pieces at once, as a pipeline:
+    hop 2 computes the first piece while hop 1 computes the second. Pieces of at least
+    MIN_CHUNK_TOKENS, no more pieces than hops (beyond that they only add per-step costs)."""
+    pieces = max(1, min(hops, tokens // MIN_CHUNK_TOKENS))
+    return [tokens // pieces + (i < tokens % pieces) for i in range(pieces)]
 
 
 class InferenceSession:
@@ -127,14 +136,23 @@ class InferenceSession:
         length = hidden.shape[1] + (0 if training else self.position)
         if length > self.max_length:
             raise RequestError(f"session would reach {length} tokens, past its max length {self.max_length}")
-        self._step += 1
         t0 = time.perf_counter()
-        await self._send(self._head, self.route[0], m.Step(step=self._step), hidden, self.first_link)
-        tensor = await self._reply(m.Result, timeout)
+        # a training step is one whole sequence: its backward recomputes it in one piece
+        sizes = [hidden.shape[1]] if training else chunk_sizes(hidden.shape[1], len(self.route))
+        first = self._step + 1
+        for piece in hidden.split(sizes, dim=1):  # all sent at once: the hops overlap on them
+            self._step += 1
+            await self._send(self._head, self.route[0], m.Step(step=self._step), piece, self.first_link)
+        outputs, timings = [], {}
+        for step in range(first, self._step + 1):
+            outputs.append(await self._reply(m.Result, timeout, step))
+            for peer_id, seconds in self.timings:
+                timings[peer_id] = timings.get(peer_id, 0.0) + seconds
+        self.timings = list(timings.items())
         if not training:
             self.position += hidden.shape[1]
         self.seconds = time.perf_counter() - t0
-        return tensor
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     async def backward(self, grad: torch.Tensor, step: int | None = None, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
         """The gradient of a training step's input (the latest step by default), given its output's."""

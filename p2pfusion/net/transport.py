@@ -56,7 +56,8 @@ class Transport:
             if identity_path is None:  # a fresh key, used for this run only
                 scratch = tempfile.TemporaryDirectory(prefix="p2pfusion-id-")
                 identity_path = str(Path(scratch.name, "identity.key"))
-                kwargs["check_if_identity_free"] = False  # it is new, so nobody else has it
+            if not Path(identity_path).is_file():
+                kwargs["check_if_identity_free"] = False  # made just now, so nobody else has it
             identity = Identity.load_or_create(identity_path)
         if identity_path is not None:
             kwargs["identity_path"] = identity_path
