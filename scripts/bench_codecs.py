@@ -79,6 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--codecs", default=",".join(c.value for c in Codec), help="comma-separated, for agreement")
     args = parser.parse_args()
 
     print("codec      pack+unpack MB/s   wire ratio")
@@ -92,7 +93,7 @@ def main() -> None:
     reference = [greedy(model, stages, ids, args.tokens, None) for ids in prompts]
     print(f"\ntoken agreement with no codec, greedy, {len(prompts)} prompts x {args.tokens} tokens, default model:")
     print("codec      identical prompts   tokens before first difference")
-    for codec in Codec:
+    for codec in (Codec(name) for name in args.codecs.split(",")):
         same, shares = 0, []
         for ids, ref in zip(prompts, reference):
             got = greedy(model, stages, ids, args.tokens, codec)

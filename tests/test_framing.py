@@ -1,7 +1,5 @@
 """Frames round-trip every supported tensor exactly, and reject truncated or hostile bytes."""
 
-import asyncio
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,21 +7,8 @@ from hypothesis import strategies as st
 
 from p2pfusion.errors import RequestError
 from p2pfusion.net import messages as m
-from p2pfusion.net.framing import FrameError, encode, read_frame
-
-
-def parse(data: bytes):
-    async def go():
-        reader = asyncio.StreamReader()
-        reader.feed_data(data)
-        reader.feed_eof()
-        return await read_frame(reader)
-
-    return asyncio.run(go())
-
-
-def frame_bytes(header, tensor=None) -> bytes:
-    return b"".join(bytes(part) for part in encode(header, tensor))
+from p2pfusion.net.framing import FrameError
+from tests.frames import frame_bytes, parse
 
 
 @settings(max_examples=60, deadline=None)

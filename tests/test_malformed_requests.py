@@ -2,7 +2,6 @@
 
 import struct
 
-import msgpack
 import torch
 import uvloop
 from hivemind.p2p import PeerID
@@ -10,8 +9,9 @@ from hivemind.p2p import PeerID
 from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import messages as m
-from p2pfusion.net.framing import PREFIX, read_frame, write_frame
+from p2pfusion.net.framing import read_frame, write_frame
 from tests.conftest import reference_model
+from tests.frames import raw_frame
 from tests.swarm import running_peers
 
 IDS = [3, 17, 42, 99]
@@ -68,8 +68,7 @@ async def _scenario(source):
             errors[name] = header["message"]
         # a frame whose int8 tensor claims more exceptions than it carries
         spec = {"codec": "int8", "dtype": "float32", "shape": [1, 1, 64], "parts": [64, 4, 16, 4]}
-        header = msgpack.packb({**m.to_header(m.Step(step=98)), "tensor": spec})
-        bad.session._head.write(PREFIX.pack(len(header), 88) + header + bytes(88))
+        bad.session._head.write(raw_frame({**m.to_header(m.Step(step=98)), "tensor": spec}, bytes(88)))
         reply, _ = await bad.session._inbox.get()
         errors["codec"] = (reply["step"], reply["message"])
         # the same session still works after its bad steps

@@ -4,7 +4,9 @@ Error bounds, for x sent and y received (elementwise; NaN and +-inf always arriv
 - none:      exact.
 - float16:   |y - x| <= 2^-11 |x| + 2^-24 where |x| <= 65504; larger magnitudes arrive as +-65504.
 - bfloat16:  |y - x| <= 2^-8 |x| + 2^-133 (bfloat16 keeps float32's range).
-- int8:      |y - x| <= m / 254, m the largest finite |x| in x's block of 64 (flattened order).
+- int8:      |y - x| <= m / 254, m the largest |x| in x's block of 64 (flattened order) among the
+             values quantized; values over OUTLIER_RMS times the tensor's RMS (a few channels of an
+             LLM's hidden states reach 100 times it) arrive exactly, sent aside like NaN and inf.
 - topk:      the k largest |x| arrive exactly, every other entry as 0. `ErrorFeedback` carries what
              was dropped into the next tensor, so nothing is lost over a run of steps.
 A spec (the frame header's description) comes from an untrusted sender: `unpack` checks every
@@ -26,6 +28,7 @@ from p2pfusion.errors import RequestError
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 BLOCK = 64
+OUTLIER_RMS = 6.0
 FLOAT16_MAX = 65504.0
 BFLOAT16_MAX = torch.finfo(torch.bfloat16).max
 MAX_DECODED_BYTES = 1 << 31
@@ -100,10 +103,13 @@ def _clamp_finite(x: torch.Tensor, limit: float) -> torch.Tensor:
 
 def _pack_int8(flat: torch.Tensor) -> list[memoryview]:
     x = flat.float()
-    bad = ~torch.isfinite(x)
-    exc_index = bad.nonzero().reshape(-1)
+    finite = torch.isfinite(x)
+    x = x.masked_fill(~finite, 0.0)
+    rms = x.pow(2).mean().sqrt() if x.numel() else x.new_zeros(())
+    aside = ~finite | (x.abs() > OUTLIER_RMS * rms)
+    exc_index = aside.nonzero().reshape(-1)
     if exc_index.numel():
-        x = x.masked_fill(bad, 0.0)  # sent aside exactly; kept out of the block scales
+        x = x.masked_fill(aside, 0.0)  # sent aside exactly; kept out of the block scales
     blocks = torch.nn.functional.pad(x, (0, -x.numel() % BLOCK)).view(-1, BLOCK)
     scales = blocks.abs().amax(dim=1) / 127.0
     q = torch.round(blocks / scales.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp_(-127, 127)

@@ -1,9 +1,9 @@
 """Which codec a hop uses on its link: a pure function of the link's measured speed and the payload.
 
 Each candidate's cost is its encode+decode time plus its compressed bytes over the link's
-bandwidth. A lossy codec must save at least MIN_GAIN of the raw tensor's time to be worth its
-error, so on a fast link the raw tensor goes (coding costs about what it saves); on a slow one,
-the cheapest codec. Inference takes only codecs that keep greedy tokens unchanged (see
+bandwidth. A lossy codec must save at least MIN_GAIN of the raw tensor's time, and MIN_SAVING
+seconds, to be worth its error: on a fast link, or for a tensor too small to matter, the raw
+tensor goes; on a slow link, the cheapest codec. Inference takes only codecs that keep greedy tokens unchanged (see
 docs/benchmarks.md for the measured agreement); training may also take top-k, sized so the
 transfer fits a time budget (FusionLLM's AdaTopK), and only on links too slow for that budget.
 """
@@ -20,8 +20,9 @@ AUTO = "auto"
 # Bytes of float32 input coded and decoded per second, one core of this project's 2-core machine
 # (scripts/bench_codecs.py); what matters is their order against the link's bytes per second.
 CODEC_SPEED = {Codec.NONE: math.inf, Codec.FLOAT16: 1.6e9, Codec.BFLOAT16: 1.6e9, Codec.INT8: 1.1e9, Codec.TOPK: 2.3e8}
-CODEC_CALL = 5e-5  # seconds a lossy codec costs per tensor, whatever its size
+CODEC_CALL = 5e-5  # seconds a lossy codec costs per tensor, whatever its size (measured: 12-50 us)
 MIN_GAIN = 0.2
+MIN_SAVING = 5e-4
 WIRE_RATIO = {Codec.NONE: 1.0, Codec.FLOAT16: 2.0, Codec.BFLOAT16: 2.0, Codec.INT8: 4 / (1 + 4 / 64)}
 # Codecs that left the default model's greedy tokens unchanged (docs/benchmarks.md, token agreement).
 GREEDY_SAFE = (Codec.NONE, Codec.FLOAT16)
@@ -88,7 +89,8 @@ def choose_codec(
     candidates = GREEDY_SAFE if purpose == Purpose.INFERENCE else TRAINING
     raw = transfer_seconds(Codec.NONE, payload_bytes, link)
     best = min(candidates, key=lambda c: transfer_seconds(c, payload_bytes, link))
-    if transfer_seconds(best, payload_bytes, link) > (1 - MIN_GAIN) * raw:
+    saving = raw - transfer_seconds(best, payload_bytes, link)
+    if saving < MIN_GAIN * raw or saving < MIN_SAVING:
         best = Codec.NONE
     if purpose == Purpose.TRAINING and budget is not None and transfer_seconds(best, payload_bytes, link) > budget:
         k = topk_entries(payload_bytes, link, budget)
