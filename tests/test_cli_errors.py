@@ -60,6 +60,11 @@ def test_bad_initial_peer_address():
     assert_one_line_error(run("infer", "--initial-peers", "nonsense", "hi"), "not a peer multiaddr")
 
 
+def test_unknown_compression():
+    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "--compression", "zstd", "hi"), "choose from auto")
+    assert_one_line_error(run("run-peer", "--new-swarm", "--compression", "gzip"), "unknown compression 'gzip'")
+
+
 @pytest.mark.slow
 def test_unreachable_initial_peer():
     assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "hi"), "no initial peer is reachable")
