@@ -7,7 +7,6 @@ The decisions (which layers, when to move, when a backup takes over) are pure fu
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import statistics
 import time
@@ -136,7 +135,6 @@ class Peer:
             bench.decode_threads,
         )
         await self.server.start()
-        _settle()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"
         log.info("%s layers %d:%d as %s", role, placement.start, placement.end, self.swarm.peer_id)
@@ -166,7 +164,6 @@ class Peer:
         stage = await self.load(start, end)
         self.server.stage = stage  # sessions opened on the old layers finish there
         self.server.draining = False
-        _settle()
         await self.announce(start=start, end=end, state=PeerState.ONLINE, moving_to=None)
 
     async def leave(self) -> None:
@@ -178,10 +175,3 @@ class Peer:
         if self.server is not None:
             await self.server.drain(self.options.drain_timeout)
             await self.server.stop()
-
-
-def _settle() -> None:
-    """Keep the long-lived objects (weights, modules, libraries) out of future garbage collections:
-    a full collection over them takes about 0.2 s here, a stall in every session on this peer."""
-    gc.collect()
-    gc.freeze()
