@@ -60,6 +60,18 @@ def test_bad_initial_peer_address():
     assert_one_line_error(run("infer", "--initial-peers", "nonsense", "hi"), "not a peer multiaddr")
 
 
+def test_data_port_in_use(tiny_models):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        folder = str(tiny_models["llama"].folder)
+        result = run("run-peer", "--model", folder, "--new-swarm", "--layers", "0:2", "--data-port", port)
+    assert_one_line_error(result, "cannot listen for direct connections", "address already in use")
+
+
 def test_unknown_compression():
     assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "--compression", "zstd", "hi"), "choose from auto")
     assert_one_line_error(run("run-peer", "--new-swarm", "--compression", "gzip"), "unknown compression 'gzip'")

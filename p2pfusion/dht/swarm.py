@@ -117,17 +117,19 @@ async def join_swarm(
     transport = await Transport.start(initial_peers, host, port, identity_path, client_mode)
     try:
         if not client_mode:
-            await transport.listen(host, data_port)
+            try:
+                await transport.listen(host, data_port)
+            except OSError as exc:
+                raise RouteError(f"cannot listen for direct connections on {host}:{data_port}: {exc.strerror or exc}") from exc
         key = _load_identity(identity_path)
         validator = RSASignatureValidator(key) if key is not None else RSASignatureValidator()
         dht = await DHTNode.create(
             p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode
         )
-    except OSError as exc:
-        await transport.shutdown()
-        raise RouteError(f"cannot listen for direct connections on {host}:{data_port}: {exc.strerror or exc}") from exc
     except Exception as exc:
         await transport.shutdown()
+        if isinstance(exc, RouteError):
+            raise
         raise RouteError(f"cannot join the DHT through {initial_peers}: {exc}") from exc
     if initial_peers and not dht.protocol.routing_table.get_nearest_neighbors(dht.node_id, 1, exclude=None):
         await dht.shutdown()

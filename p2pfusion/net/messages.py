@@ -177,7 +177,7 @@ def raise_for_error(reply: Any) -> None:
         raise RequestError(reply.message)
 
 
-def _positive(raw: Any, name: str) -> float:
+def _non_negative(raw: Any, name: str) -> float:
     if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not 0 <= raw < float("inf"):
         raise RequestError(f"field {name!r} must be a finite number >= 0")
     return float(raw)
@@ -188,10 +188,10 @@ def _link(raw: Any, name: str) -> LinkSpeed | None:
         return None
     if not isinstance(raw, dict):
         raise RequestError(f"field {name!r} must be a map")
-    bandwidth = _positive(raw.get("bytes_per_second"), f"{name}.bytes_per_second")
+    bandwidth = _non_negative(raw.get("bytes_per_second"), f"{name}.bytes_per_second")
     if bandwidth == 0:
         raise RequestError(f"field {name}.bytes_per_second must be positive")
-    return LinkSpeed(rtt=_positive(raw.get("rtt"), f"{name}.rtt"), bytes_per_second=bandwidth)
+    return LinkSpeed(rtt=_non_negative(raw.get("rtt"), f"{name}.rtt"), bytes_per_second=bandwidth)
 
 
 def _timings(raw: Any) -> list[tuple[str, float]]:
