@@ -46,7 +46,7 @@ def codec_speeds(repeats: int = 50) -> dict[Codec, tuple[float, float]]:
         for _ in range(repeats):
             t0 = time.perf_counter()
             packed = pack(x, codec, k)
-            unpack(packed.spec, b"".join(packed.parts))
+            unpack(packed.spec, packed.body())
             times.append(time.perf_counter() - t0)
         out[codec] = (x.numel() * 4 / statistics.median(times), x.numel() * 4 / packed.nbytes)
     return out
@@ -56,7 +56,7 @@ def through(codec: Codec | None, hidden: torch.Tensor) -> torch.Tensor:
     if codec is None:
         return hidden
     packed = pack(hidden, codec, k=hidden.numel() // 10)
-    return unpack(packed.spec, b"".join(packed.parts))
+    return unpack(packed.spec, packed.body())
 
 
 @torch.inference_mode()

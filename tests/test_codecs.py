@@ -28,7 +28,7 @@ def tensors(draw):
 
 def round_trip(x, codec, k=None):
     packed = c.pack(x, codec, k)
-    return packed, c.unpack(packed.spec, b"".join(bytes(p) for p in packed.parts))
+    return packed, c.unpack(packed.spec, packed.body())
 
 
 def check_specials(x, y):
@@ -97,7 +97,7 @@ def test_error_feedback_loses_nothing_over_steps(n, steps, density):
         x = torch.randn(n, generator=torch.Generator().manual_seed(step))
         packed = feedback.pack(x, max(1, int(density * n)))
         inputs += x.double()
-        received += c.unpack(packed.spec, b"".join(bytes(p) for p in packed.parts)).double()
+        received += c.unpack(packed.spec, packed.body()).double()
     torch.testing.assert_close(received + feedback.residual.double(), inputs, atol=1e-5, rtol=0)
 
 

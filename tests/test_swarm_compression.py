@@ -38,7 +38,7 @@ def _simulated(source, codec: Codec, model: RemoteCausalLM) -> torch.Tensor:
 
     def wire(x):
         packed = pack(x, codec)
-        return unpack(packed.spec, b"".join(bytes(p) for p in packed.parts))
+        return unpack(packed.spec, packed.body())
 
     outs, position = [], 0
     for ids in (IDS, [11]):

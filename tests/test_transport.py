@@ -70,6 +70,13 @@ async def _scenario():
         tls_reader, tls_writer = await asyncio.open_connection(*server.data_addrs[0].split(":"), ssl=ident.client_context())
         tls_writer.write(b"\x00" * 64)
         seen["garbage_closed"] = await asyncio.wait_for(tls_reader.read(), 5) == b""
+        unknown_reader, unknown_writer = await asyncio.open_connection(
+            *server.data_addrs[0].split(":"), ssl=ident.client_context()
+        )
+        await write_frame(unknown_writer, {"protocol": "no.such.protocol"})
+        reply, _ = await asyncio.wait_for(read_frame(unknown_reader), 5)
+        seen["unknown_protocol_refused"] = "no handler" in reply["message"]
+        seen["unknown_protocol_closed"] = await asyncio.wait_for(unknown_reader.read(), 5) == b""
 
         # `other`'s address does not prove `server`'s identity: the stream goes through libp2p instead.
         reader, writer = await client.open(server.peer_id, other.data_addrs, probe.PROTOCOL)
@@ -86,4 +93,4 @@ async def _scenario():
 
 def test_direct_tls_with_libp2p_fallback():
     seen = uvloop.run(_scenario())
-    assert seen == {key: True for key in seen} and len(seen) == 7, seen
+    assert seen == {key: True for key in seen} and len(seen) == 9, seen

@@ -16,7 +16,6 @@ field against the body before it allocates or reads anything.
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -33,10 +32,6 @@ FLOAT16_MAX = 65504.0
 BFLOAT16_MAX = torch.finfo(torch.bfloat16).max
 MAX_DECODED_BYTES = 1 << 31
 MAX_EXPANSION = 1024  # decoded bytes per body byte a sparse frame may claim (beyond the first MiB)
-
-
-# A received body belongs to its frame alone, so a tensor may share its read-only bytes, uncopied.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 class CodecError(RequestError):
@@ -59,6 +54,10 @@ class Packed:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def body(self) -> bytearray:
+        """The parts as one buffer, as a receiver reads them."""
+        return bytearray().join(self.parts)
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
@@ -148,8 +147,9 @@ def _view(body: memoryview, offset: int, size: int, dtype: torch.dtype) -> torch
     return torch.frombuffer(body, dtype=raw_dtype, count=size // dtype.itemsize, offset=offset).view(dtype)
 
 
-def unpack(spec: Any, body: bytes | bytearray | memoryview) -> torch.Tensor:
-    """Rebuild a tensor from a frame's description and body; CodecError on anything inconsistent."""
+def unpack(spec: Any, body: bytearray | memoryview) -> torch.Tensor:
+    """Rebuild a tensor from a frame's description and its writable body, which the result may
+    share; CodecError on anything inconsistent."""
     if not isinstance(spec, dict):
         raise CodecError("malformed tensor description in frame header")
     try:

@@ -2,8 +2,8 @@
 
 Layout: 4-byte header length, 8-byte body length (big-endian), header, body. The tensor's codec,
 dtype and shape travel in the header under "tensor" (see `codecs`); the body is the codec's
-buffers, written straight from the tensor's memory and read back into one buffer that the
-decoded tensor shares. Every check here guards a peer against a bad or hostile sender.
+buffers, written straight from the tensor's memory and read back into one writable buffer that
+the decoded tensor owns. Every check here guards a peer against a bad or hostile sender.
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], torc
         raise FrameError(f"frame too large (header {header_len} B, body {body_len} B)")
     try:
         packed = await reader.readexactly(header_len)
-        body = await reader.readexactly(body_len) if body_len else b""
+        # a buffer of its own, so the tensor decoded from it is an ordinary writable one
+        body = bytearray(await reader.readexactly(body_len)) if body_len else bytearray()
     except asyncio.IncompleteReadError as exc:
         raise FrameError("stream ended inside a frame") from exc
     try:

@@ -112,14 +112,16 @@ class Transport:
         await self.p2p.remove_binary_stream_handler(protocol)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Read the hello and hand the stream to its protocol's handler, which then owns it."""
         try:
             header, _ = await asyncio.wait_for(read_frame(reader), DIRECT_TIMEOUT)
             handler = self._handlers.get(header.get("protocol"))
             if handler is None:
                 await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {header.get('protocol')!r}"})
-                return
         except (TimeoutError, EOFError, FrameError, ConnectionError) as exc:
             log.debug("dropped a direct connection before its hello: %r", exc)
+            handler = None
+        if handler is None:
             writer.close()
             return
         await handler(reader, writer)
