@@ -33,16 +33,6 @@ HIDDEN = 576
 UNARY = "bench.unary"
 
 
-async def _echo_tcp(reader, writer) -> None:
-    try:
-        while True:
-            header, tensor = await read_frame(reader)
-            if header.get("echo", True):
-                await write_frame(writer, header, tensor)
-    except (EOFError, ConnectionError):
-        writer.close()
-
-
 async def serve() -> None:
     transport = await Transport.start([], "127.0.0.1", 0, None, client_mode=False)
     await transport.listen("127.0.0.1", 0)
@@ -53,7 +43,7 @@ async def serve() -> None:
         return runtime_pb2.ExpertResponse(tensors=[serialize_torch_tensor(tensor)])
 
     await transport.p2p.add_protobuf_handler(UNARY, unary, runtime_pb2.ExpertRequest)
-    tcp = await asyncio.start_server(_echo_tcp, "127.0.0.1", 0, limit=STREAM_LIMIT)
+    tcp = await asyncio.start_server(probe.echo, "127.0.0.1", 0, limit=STREAM_LIMIT)
     info = dict(
         peer_id=transport.peer_id, data_addrs=transport.data_addrs,
         maddrs=[str(m) for m in await transport.p2p.get_visible_maddrs()], tcp_port=tcp.sockets[0].getsockname()[1],

@@ -145,8 +145,9 @@ class InferenceSession:
             await self._send(self._head, self.route[0], m.Step(step=self._step), piece, self.first_link)
         outputs, timings = [], {}
         for step in range(first, self._step + 1):
-            outputs.append(await self._reply(m.Result, timeout, step))
-            for peer_id, seconds in self.timings:
+            output, step_timings = await self._reply(m.Result, timeout, step)
+            outputs.append(output)
+            for peer_id, seconds in step_timings:  # per peer, summed over the pieces
                 timings[peer_id] = timings.get(peer_id, 0.0) + seconds
         self.timings = list(timings.items())
         if not training:
@@ -160,7 +161,8 @@ class InferenceSession:
             raise RequestError("backward needs a session opened for training")
         step = self._step if step is None else step
         await self._send(self._sink, self.route[-1], m.Backward(step=step), grad, self.last_link)
-        return await self._reply(m.Backward, timeout, step)
+        grad_input, self.timings = await self._reply(m.Backward, timeout, step)
+        return grad_input
 
     async def _send(self, writer, record: PeerRecord, message, tensor: torch.Tensor, link: LinkSpeed | None) -> None:
         choice = choose_codec(link, tensor.numel() * 4, self.purpose, self.compression)
@@ -169,9 +171,9 @@ class InferenceSession:
         except (ConnectionError, RuntimeError) as exc:
             raise PeerFailed(f"peer {record.peer_id} closed the session: {exc!r}", record.peer_id) from exc
 
-    async def _reply(self, kind: type, timeout: float, step: int | None = None) -> torch.Tensor:
-        """Wait for the `kind` reply to a step, taking in notices and raising errors on the way."""
-        step = self._step if step is None else step
+    async def _reply(self, kind: type, timeout: float, step: int) -> tuple[torch.Tensor, list[tuple[str, float]]]:
+        """Wait for the `kind` reply to `step` (its tensor and its hops' timings), taking in notices
+        and raising errors on the way."""
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -184,8 +186,7 @@ class InferenceSession:
             elif isinstance(reply, m.Error):
                 m.raise_for_error(reply)
             elif isinstance(reply, kind) and reply.step == step:
-                self.timings = reply.timings
-                return tensor
+                return tensor, reply.timings
 
     async def close(self) -> None:
         for task in self._readers:

@@ -18,6 +18,7 @@ from p2pfusion.net.transport import Transport
 log = logging.getLogger(__name__)
 
 LINK_TTL = 600.0  # links change slowly; measure again after this long
+FAILED_TTL = 30.0  # a peer that could not be measured (still loading, say) is tried again sooner
 PROBE_BYTES = 256 << 10
 PROBE_TIMEOUT = 5.0
 
@@ -28,17 +29,10 @@ class LinkBook:
         self._links: dict[str, tuple[float, LinkSpeed | None]] = {}
         self._pending: dict[str, asyncio.Task] = {}
 
-    def known(self, peer_id: str) -> LinkSpeed | None:
-        entry = self._links.get(peer_id)
-        return entry[1] if entry is not None else None
-
-    def record(self, peer_id: str, link: LinkSpeed | None) -> None:
-        self._links[peer_id] = (time.monotonic(), link)
-
     async def get(self, peer_id: str, data_addrs: list[str]) -> LinkSpeed | None:
         """The link to `peer_id`, measuring it first if unknown or stale; None if it cannot be measured."""
         entry = self._links.get(peer_id)
-        if entry is not None and time.monotonic() - entry[0] < LINK_TTL:
+        if entry is not None and time.monotonic() - entry[0] < (LINK_TTL if entry[1] is not None else FAILED_TTL):
             return entry[1]
         task = self._pending.get(peer_id)
         if task is None:  # sessions opening together to one peer share one probe
@@ -52,5 +46,5 @@ class LinkBook:
         except Exception as exc:  # unmeasured links go uncompressed
             log.info("could not measure the link to %s: %r", peer_id, exc)
             link = None
-        self.record(peer_id, link)
+        self._links[peer_id] = (time.monotonic(), link)
         return link

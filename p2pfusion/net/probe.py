@@ -21,20 +21,22 @@ PROTOCOL = "p2pfusion.probe.v1"
 MAX_ECHO_BYTES = 16 << 20  # a probe never makes a peer echo more than this
 
 
-async def serve_probes(transport: Transport) -> None:
-    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                header, tensor = await read_frame(reader)
-                if tensor is not None and tensor.numel() * tensor.element_size() > MAX_ECHO_BYTES:
-                    return
-                if header.get("echo", True):  # one-way streams ask for no echo until their last frame
-                    await write_frame(writer, header, tensor)
-        except Exception:  # a probe that sends garbage just loses its stream
-            return
-        finally:
-            writer.close()
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer each frame with itself, until the stream ends; one-way streams ask for no answer."""
+    try:
+        while True:
+            header, tensor = await read_frame(reader)
+            if tensor is not None and tensor.numel() * tensor.element_size() > MAX_ECHO_BYTES:
+                return
+            if header.get("echo", True):
+                await write_frame(writer, header, tensor)
+    except Exception:  # a probe that sends garbage just loses its stream
+        return
+    finally:
+        writer.close()
 
+
+async def serve_probes(transport: Transport) -> None:
     await transport.add_handler(PROTOCOL, echo)
 
 
