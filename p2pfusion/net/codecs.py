@@ -8,7 +8,9 @@ Error bounds, for x sent and y received (elementwise; NaN and +-inf always arriv
              values quantized; values over OUTLIER_RMS times the tensor's RMS (a few channels of an
              LLM's hidden states reach 100 times it) arrive exactly, sent aside like NaN and inf.
 - topk:      the k largest |x| arrive exactly, every other entry as 0. `ErrorFeedback` carries what
-             was dropped into the next tensor, so nothing is lost over a run of steps.
+             was dropped into the next tensor, so nothing is lost over a run of steps. A frame may
+             not decode to more than MAX_EXPANSION times its size (past the first MiB), so k is at
+             least `min_topk` (1/2048 of a float32 tensor's entries).
 A spec (the frame header's description) comes from an untrusted sender: `unpack` checks every
 field against the body before it allocates or reads anything.
 """
@@ -85,7 +87,7 @@ def pack(tensor: torch.Tensor, codec: Codec = Codec.NONE, k: int | None = None) 
     elif codec == Codec.INT8:
         parts = _pack_int8(flat)
     elif codec == Codec.TOPK:
-        k = flat.numel() if k is None else max(0, min(int(k), flat.numel()))
+        k = flat.numel() if k is None else max(min(int(k), flat.numel()), min_topk(flat.numel(), tensor.dtype))
         spec["k"] = k
         parts = _pack_topk(flat, k)
     else:
@@ -121,6 +123,16 @@ def _pack_topk(flat: torch.Tensor, k: int) -> list[memoryview]:
     index = torch.topk(magnitude, k, sorted=False).indices if k < flat.numel() else torch.arange(flat.numel())
     index = index.sort().values.to(_index_dtype(flat.numel()))
     return [_bytes(index), _bytes(flat[index.long()])]
+
+
+def min_topk(count: int, dtype: torch.dtype) -> int:
+    """The fewest entries a top-k frame of `count` entries keeps, so that `unpack`'s limit on how
+    much a frame may expand (a few bytes must not make a peer allocate gigabytes) lets it through."""
+    decoded = count * dtype.itemsize
+    if decoded <= 1 << 20:
+        return 0
+    per_entry = _index_dtype(count).itemsize + dtype.itemsize
+    return min(count, -(-decoded // (MAX_EXPANSION * per_entry)))
 
 
 def _index_dtype(count: int) -> torch.dtype:
