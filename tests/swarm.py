@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
+from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import ModelSource
 from p2pfusion.peer.runtime import Peer, PeerOptions
@@ -37,3 +38,19 @@ async def running_peers(source: ModelSource, ranges: list[tuple[int, int]], **op
     finally:
         for peer in peers:
             await stop_peer(peer)
+
+
+@contextmanager
+def peers_in_background(source: ModelSource, ranges: list[tuple[int, int]], **options):
+    """Like running_peers, on a loop of their own thread, for tests of the synchronous client API;
+    yields (peers, bootstrap maddrs, the loop)."""
+    loop = BackgroundLoop("test-peers")
+    peers = running_peers(source, ranges, **options)
+    try:
+        started, maddrs = loop.run(peers.__aenter__())
+        yield started, maddrs, loop
+    finally:
+        try:
+            loop.run(peers.__aexit__(None, None, None))
+        finally:
+            loop.close()

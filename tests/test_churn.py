@@ -2,6 +2,7 @@
 over, newcomers fill gaps, and the generated tokens stay exactly those of transformers."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from tests.conftest import reference_model
 from tests.swarm import running_peers, start_peer, stop_peer
 
 KILL_AT = 8  # tokens into the generation
+PROMOTION_POLLS = 20  # seconds to wait for the replacement to announce itself online
 FIXED = ["--throughput", "100"]  # skip the benchmark: these tests are about churn, not speed
 
 
@@ -67,9 +69,14 @@ def _kill_middle_during_generation(source, with_backup: bool):
 
         on_token.count = 0
         result = uvloop.run(_generate(source, swarm.maddrs, ids, on_token))
-        states = uvloop.run(_states(swarm.maddrs, source.name))
-        # the peer that took over: the backup, or the newcomer
+        # the peer that took over: the backup, or the newcomer; it announces itself within seconds,
+        # which may be after the generation ended
         replacement = _peer_id(swarm.wait_ready((extra or joined)[0]))
+        for _ in range(PROMOTION_POLLS):
+            states = uvloop.run(_states(swarm.maddrs, source.name))
+            if states.get(replacement, (0, 0, ""))[2] == "online":
+                break
+            time.sleep(1.0)
     return ids, result, states, states[replacement]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
+from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ModelError, RequestError
@@ -69,6 +70,8 @@ async def infer(args) -> None:
     if not args.prompt.strip():
         raise RequestError("the prompt is empty")
     model = RemoteCausalLM(resolve_model(args.model), compression=args.compression)
+    if args.adapter is not None:
+        model.adapter = Adapter.load(args.adapter, model.config, model.source.name)
     ids = model.encode(args.prompt, args.chat)
     model.swarm = swarm = await join_swarm(args.initial_peers, client_mode=True)
     try:

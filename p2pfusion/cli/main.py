@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--seed", type=int)
     infer.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     infer.add_argument("--compression", **COMPRESSION)
+    infer.add_argument("--adapter", type=Path, metavar="PATH", help="a trained adapter (PEFT format) to generate with")
 
     view = sub.add_parser("swarm", help="show a swarm's stages, peers and bottleneck")
     view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)

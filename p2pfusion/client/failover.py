@@ -1,10 +1,12 @@
 """A session that outlives its peers: when one dies or leaves, route around it and replay.
 
-The client keeps every input it sent (the embeddings of the tokens so far). When a peer fails, it
-bans that peer (with growing back-off), reports it in the DHT so a warm backup can take over, finds
-a new route among the online peers and warm backups, and sends the whole history again as one
-prefill step, with the pending step's inputs at its end. Each hop of the new route rebuilds its KV
-cache from those inputs, so the generation goes on exactly as it would have.
+The client keeps every input it sent (the embeddings of the tokens so far, their position ids).
+When a peer fails, it bans that peer (with growing back-off), reports it in the DHT so a warm
+backup can take over, finds a new route among the online peers and warm backups, gives the new
+hops the session's adapter, and sends the whole history again as one prefill step, with the
+pending step's inputs at its end. Each hop of the new route rebuilds its KV cache from those
+inputs, so the generation goes on exactly as it would have. Training sessions
+(p2pfusion.client.training) use the same connecting and failing over.
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import time
 
 import torch
 
+from p2pfusion.client.adapters import RemoteParameters
 from p2pfusion.client.health import PeerHealth
 from p2pfusion.client.routing import find_route
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import PeerFailed, RouteError
-from p2pfusion.net.compression import AUTO
+from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.links import LinkBook
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,8 @@ class ResilientSession:
         links: LinkBook,
         compression: str = AUTO,
         failover_timeout: float = FAILOVER_TIMEOUT,
+        params: RemoteParameters | None = None,
+        purpose: Purpose = Purpose.INFERENCE,
     ):
         self.swarm = swarm
         self.model = model
@@ -51,18 +56,20 @@ class ResilientSession:
         self.links = links
         self.compression = compression
         self.failover_timeout = failover_timeout
+        self.params = params  # the adapter every route of this session gets
+        self.purpose = purpose
         self.session: InferenceSession | None = None
-        self.history: list[torch.Tensor] = []
+        self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0
         self._avoid: set[str] = set()  # peers that told this session they are leaving
         self._step_seconds: float | None = None
         self._reports: set[asyncio.Task] = set()
 
     async def open(self) -> ResilientSession:
-        await self._connect(recovering=False)
+        await self.connect(recovering=False)
         return self
 
-    async def _connect(self, recovering: bool) -> None:
+    async def connect(self, recovering: bool) -> None:
         deadline = time.monotonic() + self.failover_timeout
         last: Exception | None = None
         while True:
@@ -72,11 +79,13 @@ class ResilientSession:
                     records, self.num_layers, self.health.observed, self.health.banned() | self._avoid, recovering
                 )
                 self.session = await InferenceSession(
-                    self.swarm.transport, route, self.max_length, self.compression, self.links
+                    self.swarm.transport, route, self.max_length, self.compression, self.links, self.purpose
                 ).open()
+                await self.update_params(self.params)
                 return
             except PeerFailed as exc:
-                self._failed(exc)
+                await self.drop()
+                self.failed(exc)
                 last, recovering = exc, True
             except RouteError as exc:
                 if not recovering:
@@ -88,7 +97,13 @@ class ResilientSession:
                 raise RouteError(f"the swarm did not recover within {self.failover_timeout:.0f} s: {last}")
             await asyncio.sleep(RETRY_DELAY)
 
-    def _failed(self, exc: PeerFailed) -> None:
+    async def update_params(self, params: RemoteParameters | None) -> None:
+        """Give the current route new adapter values (nothing is sent when they did not change)."""
+        self.params = params
+        if params is not None and self.session is not None and self.session.adapter != params.message.digest:
+            await self.session.set_adapter(params.message, params.flat)
+
+    def failed(self, exc: PeerFailed) -> None:
         if exc.peer_id is None:
             log.warning("%s", exc)
             return
@@ -103,29 +118,43 @@ class ResilientSession:
             return LONG_STEP_TIMEOUT
         return max(MIN_STEP_TIMEOUT, 20 * self._step_seconds)
 
-    async def step(self, hidden: torch.Tensor) -> torch.Tensor:
+    async def step(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Like InferenceSession.step, but a failed or leaving peer costs a replay, not the generation."""
         while True:
             if self.session is None:
-                await self._connect(recovering=True)
+                await self.connect(recovering=True)
             leaving = self.session.poll_notices()
             if leaving:
                 log.info("peers %s are leaving; moving this session", sorted(leaving))
                 self._avoid |= leaving
-                await self._drop()
+                await self.drop()
                 continue
             replay = self.session.position == 0 and self.history
-            inputs = torch.cat([*self.history, hidden], dim=1) if replay else hidden
+            inputs, ids = (hidden, positions) if not replay else self._replayed(hidden, positions)
             try:
-                out = await self.session.step(inputs, self._timeout(inputs.shape[1]))
+                out = await self.session.step(inputs, self._timeout(inputs.shape[1]), mask, ids)
             except PeerFailed as exc:
-                self._failed(exc)
+                self.failed(exc)
                 self.recoveries += 1
-                await self._drop()
+                await self.drop()
                 continue
             self._observe(inputs.shape[1])
-            self.history.append(hidden)
+            self.history.append((hidden, positions))
             return out[:, -hidden.shape[1]:] if replay else out
+
+    def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor | None):
+        """The whole history and the new step as one step, with every token's position id."""
+        steps = [*self.history, (hidden, positions)]
+        inputs = torch.cat([h for h, _ in steps], dim=1)
+        if all(p is None for _, p in steps):
+            return inputs, None
+        ids, offset = [], 0
+        for h, p in steps:
+            ids.append(p if p is not None else torch.arange(offset, offset + h.shape[1]).expand(h.shape[0], -1))
+            offset += h.shape[1]
+        return inputs, torch.cat(ids, dim=1)
 
     def _observe(self, tokens: int) -> None:
         """Each hop's own compute time, plus an equal share of what the client saw beyond them (the wire)."""
@@ -139,7 +168,7 @@ class ResilientSession:
             previous = self._step_seconds
             self._step_seconds = session.seconds if previous is None else 0.8 * previous + 0.2 * session.seconds
 
-    async def _drop(self) -> None:
+    async def drop(self) -> None:
         if self.session is not None:
             await self.session.close()
         self.session = None
@@ -148,6 +177,6 @@ class ResilientSession:
         if self.session is not None:
             for record in self.session.route:
                 self.health.succeeded(record.peer_id)
-        await self._drop()
+        await self.drop()
         if self._reports:
             await asyncio.wait(self._reports, timeout=5)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoTokenizer
 
+from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.failover import ResilientSession
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.routing import find_route
@@ -51,6 +52,7 @@ class RemoteCausalLM:
         self.head = load_head(source, dtype)
         self.dtype = dtype
         self.health = PeerHealth(observed=load_observed(source.name))
+        self.adapter: Adapter | None = None  # trained parameters to generate with
         self._tokenizer = None
         self._links: LinkBook | None = None
 
@@ -99,7 +101,7 @@ class RemoteCausalLM:
         links = self._link_book()
         session = ResilientSession(
             self.swarm, self.source.name, self.config.num_hidden_layers, max_length, self.health, links,
-            self.compression,
+            self.compression, params=None if self.adapter is None else self.adapter.remote_parameters(),
         )
         return await session.open()
 
@@ -117,7 +119,8 @@ class RemoteCausalLM:
             out = (await session.step(embeds)).requires_grad_(True)
             loss = self.head(inputs_embeds=out, labels=labels).loss
             loss.backward()
-            return loss.detach(), await session.backward(out.grad)
+            grad, _ = await session.backward(out.grad)
+            return loss.detach(), grad
         finally:
             await session.close()
 
@@ -156,11 +159,15 @@ class RemoteCausalLM:
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         eos = self.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        session = await self.open_session(total)
+        prompt = None if self.adapter is None else self.adapter.soft_prompt
+        session = await self.open_session(total + (0 if prompt is None else prompt.shape[0]))
         new: list[int] = []
         try:
             t0 = time.perf_counter()
-            hidden = await session.step(self.embed(input_ids))
+            embeds = self.embed(input_ids)
+            if prompt is not None:  # soft prompt tokens sit before the text, at positions 0..n-1
+                embeds = torch.cat([prompt.detach().to(self.dtype)[None], embeds], dim=1)
+            hidden = await session.step(embeds)
             t1 = time.perf_counter()
             while True:
                 token = choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator)

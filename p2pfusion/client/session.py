@@ -19,6 +19,7 @@ from p2pfusion.net.codecs import pack
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import FrameError, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
+from p2pfusion.net.payloads import mask_to_wire, positions_to_wire, unflatten
 from p2pfusion.net.transport import Transport
 
 OPEN_TIMEOUT = 15.0
@@ -60,6 +61,9 @@ class InferenceSession:
         self._step = 0
         self._head = None
         self._sink = None
+        self.adapter: str | None = None  # digest of the parameters the hops hold for this session
+        self._param_grads: dict[int, dict[str, torch.Tensor]] = {}
+        self._early: dict[tuple[str, int], tuple] = {}  # replies that came before they were awaited
         self._inbox: asyncio.Queue = asyncio.Queue()
         self._readers: list[asyncio.Task] = []
 
@@ -129,22 +133,39 @@ class InferenceSession:
             self._inbox.put_nowait(item)
         return self.leaving
 
-    async def step(self, hidden: torch.Tensor, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
-        """Send hidden states for the next positions; get the last stage's output for them. In a
-        training session each step is a whole sequence, whose gradient `backward` takes."""
+    async def set_adapter(self, message: m.Adapter, flat: torch.Tensor) -> None:
+        """Give the hops this session's parameters; the steps after it use them."""
+        try:
+            await write_frame(self._head, m.to_header(message), pack(flat))
+        except (ConnectionError, RuntimeError) as exc:
+            raise PeerFailed(f"peer {self.route[0].peer_id} closed the session: {exc!r}", self.route[0].peer_id) from exc
+        self.adapter = message.digest
+
+    async def step(
+        self,
+        hidden: torch.Tensor,
+        timeout: float = STEP_TIMEOUT,
+        mask: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Send hidden states for the next positions; get the last stage's output for them.
+        `mask` covers the whole sequence so far [batch, length]; `positions` the new tokens."""
         training = self.purpose == Purpose.TRAINING
-        length = hidden.shape[1] + (0 if training else self.position)
-        if length > self.max_length:
-            raise RequestError(f"session would reach {length} tokens, past its max length {self.max_length}")
+        offset = 0 if training else self.position
+        if offset + hidden.shape[1] > self.max_length:
+            raise RequestError(
+                f"session would reach {offset + hidden.shape[1]} tokens, past its max length {self.max_length}"
+            )
         t0 = time.perf_counter()
         # a training step is one whole sequence: its backward recomputes it in one piece
         sizes = [hidden.shape[1]] if training else chunk_sizes(hidden.shape[1], len(self.route))
-        first = self._step + 1
+        steps, end = [], offset
         for piece in hidden.split(sizes, dim=1):  # all sent at once: the hops overlap on them
-            self._step += 1
-            await self._send(self._head, self.route[0], m.Step(step=self._step), piece, self.first_link)
+            begin, end = end, end + piece.shape[1]
+            piece_positions = None if positions is None else positions[:, begin - offset:end - offset]
+            steps.append(await self.submit(piece, None if mask is None else mask[:, :end], piece_positions))
         outputs, timings = [], {}
-        for step in range(first, self._step + 1):
+        for step in steps:
             output, step_timings = await self._reply(m.Result, timeout, step)
             outputs.append(output)
             for peer_id, seconds in step_timings:  # per peer, summed over the pieces
@@ -155,14 +176,44 @@ class InferenceSession:
         self.seconds = time.perf_counter() - t0
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
-    async def backward(self, grad: torch.Tensor, step: int | None = None, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
-        """The gradient of a training step's input (the latest step by default), given its output's."""
+    async def submit(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> int:
+        """Send one step without waiting for it; `result` waits. Returns the step's number."""
+        self._step += 1
+        message = m.Step(
+            step=self._step,
+            mask=None if mask is None else mask_to_wire(mask),
+            positions=None if positions is None else positions_to_wire(positions),
+            adapter=self.adapter,
+        )
+        await self._send(self._head, self.route[0], message, hidden, self.first_link)
+        return self._step
+
+    async def result(self, step: int, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
+        output, self.timings = await self._reply(m.Result, timeout, step)
+        return output
+
+    async def submit_backward(self, step: int, grad: torch.Tensor) -> None:
+        """Send the gradient of a training step's output; `backward_result` waits for the rest."""
         if self.purpose != Purpose.TRAINING:
             raise RequestError("backward needs a session opened for training")
-        step = self._step if step is None else step
+        self._param_grads.pop(step, None)
         await self._send(self._sink, self.route[-1], m.Backward(step=step), grad, self.last_link)
+
+    async def backward_result(
+        self, step: int, timeout: float = STEP_TIMEOUT
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The gradients of the step's input and of the session's adapter parameters."""
         grad_input, self.timings = await self._reply(m.Backward, timeout, step)
-        return grad_input
+        return grad_input, self._param_grads.pop(step, {})
+
+    async def backward(
+        self, grad: torch.Tensor, step: int | None = None, timeout: float = STEP_TIMEOUT
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        step = self._step if step is None else step
+        await self.submit_backward(step, grad)
+        return await self.backward_result(step, timeout)
 
     async def _send(self, writer, record: PeerRecord, message, tensor: torch.Tensor, link: LinkSpeed | None) -> None:
         choice = choose_codec(link, tensor.numel() * 4, self.purpose, self.compression)
@@ -173,7 +224,10 @@ class InferenceSession:
 
     async def _reply(self, kind: type, timeout: float, step: int) -> tuple[torch.Tensor, list[tuple[str, float]]]:
         """Wait for the `kind` reply to `step` (its tensor and its hops' timings), taking in notices
-        and raising errors on the way."""
+        and parameter gradients, keeping replies to other steps, and raising errors on the way."""
+        early = self._early.pop((kind.kind, step), None)
+        if early is not None:
+            return early
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -185,8 +239,13 @@ class InferenceSession:
                 self.leaving.add(reply.peer_id)
             elif isinstance(reply, m.Error):
                 m.raise_for_error(reply)
-            elif isinstance(reply, kind) and reply.step == step:
-                return tensor, reply.timings
+            elif isinstance(reply, m.ParamGrads):
+                values = unflatten(tensor, [shape for _, shape in reply.entries])
+                self._param_grads.setdefault(reply.step, {}).update(zip([name for name, _ in reply.entries], values))
+            elif isinstance(reply, (m.Result, m.Backward)):
+                if isinstance(reply, kind) and reply.step == step:
+                    return tensor, reply.timings
+                self._early[(reply.kind, reply.step)] = (tensor, reply.timings)
 
     async def close(self) -> None:
         for task in self._readers:

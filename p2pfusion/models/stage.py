@@ -31,6 +31,7 @@ from transformers import (
 from transformers.initialization import no_init_weights
 
 from p2pfusion.errors import ModelError
+from p2pfusion.models.adapters import StageAdapter, applied
 from p2pfusion.models.source import ModelSource
 
 LAYER_PREFIX = "model.layers."
@@ -81,29 +82,53 @@ class Stage:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.module.config)
 
+    def _run(self, hidden, offset, cache, attention_mask, position_ids, adapter) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(offset, offset + hidden.shape[1], device=self.device).unsqueeze(0)
+        with applied(self.module, adapter, offset):
+            return self.module(
+                inputs_embeds=hidden.to(self.device),
+                attention_mask=None if attention_mask is None else attention_mask.to(self.device),
+                position_ids=position_ids.to(self.device),
+                past_key_values=cache,
+                use_cache=cache is not None,
+            ).last_hidden_state
+
     @torch.inference_mode()
     def forward(
-        self, hidden: torch.Tensor, position: int, cache: DynamicCache | None = None
+        self,
+        hidden: torch.Tensor,
+        offset: int,
+        cache: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        adapter: StageAdapter | None = None,
     ) -> torch.Tensor:
-        """Run hidden states [batch, tokens, hidden] whose first token sits at `position`."""
-        positions = torch.arange(position, position + hidden.shape[1], device=self.device).unsqueeze(0)
-        out = self.module(
-            inputs_embeds=hidden.to(self.device),
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=cache is not None,
-        )
-        return out.last_hidden_state.cpu()
+        """Run hidden states [batch, tokens, hidden] whose first token is the sequence's `offset`-th.
 
-    def backward(self, hidden: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-        """The gradient of a full-sequence forward's input, given its output's gradient. The forward
-        is computed again rather than kept from the first pass, so a peer holds only the inputs."""
+        `attention_mask` [batch, offset + tokens] marks padding (None: none); `position_ids`
+        [batch, tokens] default to the sequence positions; `adapter` is the session's own."""
+        return self._run(hidden, offset, cache, attention_mask, position_ids, adapter).cpu()
+
+    def backward(
+        self,
+        hidden: torch.Tensor,
+        grad_output: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        adapter: StageAdapter | None = None,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The gradients of a full-sequence forward's input and of the adapter's parameters, given
+        its output's gradient. The forward is computed again rather than kept from the first pass,
+        so a peer holds only the inputs."""
         with torch.enable_grad():
             inputs = hidden.detach().to(self.device).requires_grad_(True)
-            positions = torch.arange(hidden.shape[1], device=self.device).unsqueeze(0)
-            out = self.module(inputs_embeds=inputs, position_ids=positions, use_cache=False).last_hidden_state
-            out.backward(grad_output.to(self.device))
-        return inputs.grad.cpu()
+            leaves = [] if adapter is None else [t.detach().to(self.device).requires_grad_(True) for t in adapter.tensors]
+            trained = None if adapter is None else adapter.with_tensors(leaves)
+            out = self._run(inputs, 0, None, attention_mask, position_ids, trained)
+            grads = torch.autograd.grad(out, [inputs, *leaves], grad_output.to(self.device), allow_unused=True)
+        params = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads[1:])]
+        return grads[0].cpu(), [g.cpu() for g in params]
 
     def parameter_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())

@@ -8,9 +8,13 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
    or a `Result` to the client's output stream if it is the last.
 4. In a training session, `Backward` carries the gradient of a step's output from the client to
    the last hop, and each hop sends the gradient of its input upstream, down to the client.
-5. `Error` travels back upstream to the client; `Close` travels down and frees every KV cache.
+5. An `Adapter` travels down before the steps that use it: the session's own trainable parameters
+   (LoRA, deep prompts), sent once per version and named by a digest that each `Step` repeats.
+   Each hop keeps the part for its layers and passes the rest on. In training, each hop sends the
+   gradients of its part upstream as `ParamGrads`, before its input's `Backward`.
+6. `Error` travels back upstream to the client; `Close` travels down and frees every KV cache.
    An error that names `failed_peer` means that peer is gone: the client routes around it.
-6. A peer that is leaving sends `Leaving` upstream once its steps in flight are done, so the
+7. A peer that is leaving sends `Leaving` upstream once its steps in flight are done, so the
    client moves its session before its next step, with no error.
 Each hop adds its own compute time to a step's `timings`, so the client learns per-peer speeds.
 """
@@ -23,7 +27,9 @@ from typing import Any, ClassVar
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, parse_compression
 
-PROTOCOL = "p2pfusion.inference.v2"
+PROTOCOL = "p2pfusion.inference.v3"
+MAX_STEP_TOKENS = 8192  # batch x tokens of one step: bounds a peer's memory per step
+MAX_SAVED = 8  # training steps a peer keeps awaiting their backward pass, per session
 
 
 @dataclass(frozen=True)
@@ -59,11 +65,38 @@ class Ack:
 
 @dataclass(frozen=True)
 class Step:
-    """Hidden states of new positions; the tensor travels beside the header."""
+    """Hidden states of new positions; the tensor travels beside the header.
+
+    `mask` is the attention mask of the whole sequence so far as bytes of 0/1 [batch, length]
+    (None: no padding); `positions` the new tokens' position ids as little-endian int32
+    [batch, tokens] (None: their sequence positions); `adapter` the digest of the parameters the
+    client expects this step to use (None: none)."""
 
     kind: ClassVar[str] = "step"
     step: int
     timings: list[tuple[str, float]] = field(default_factory=list)  # (peer id, compute seconds) per hop
+    mask: bytes | None = None
+    positions: bytes | None = None
+    adapter: str | None = None
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A session's trainable parameters, as one float32 tensor of the entries' values in order."""
+
+    kind: ClassVar[str] = "adapter"
+    digest: str
+    scaling: float
+    entries: list[tuple[str, list[int]]]  # (global parameter name, shape)
+
+
+@dataclass(frozen=True)
+class ParamGrads:
+    """The gradients of one hop's adapter parameters for a training step, as one float32 tensor."""
+
+    kind: ClassVar[str] = "param_grads"
+    step: int
+    entries: list[tuple[str, list[int]]]  # (global parameter name, shape)
 
 
 @dataclass(frozen=True)
@@ -101,7 +134,10 @@ class Close:
     kind: ClassVar[str] = "close"
 
 
-MESSAGES = {cls.kind: cls for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving)}
+MESSAGES = {
+    cls.kind: cls
+    for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving, Adapter, ParamGrads)
+}
 
 
 def to_header(message: Any) -> dict[str, Any]:
@@ -155,8 +191,25 @@ def from_header(header: dict[str, Any]) -> Any:
         )
     if cls is Subscribe:
         return Subscribe(session_id=_typed(header.get("session_id"), str, "session_id"))
-    if cls in (Step, Backward, Result):
+    if cls is Step:
+        return Step(
+            step=_typed(header.get("step"), int, "step"),
+            timings=_timings(header.get("timings", [])),
+            mask=_optional(header.get("mask"), bytes, "mask"),
+            positions=_optional(header.get("positions"), bytes, "positions"),
+            adapter=_optional(header.get("adapter"), str, "adapter"),
+        )
+    if cls in (Backward, Result):
         return cls(step=_typed(header.get("step"), int, "step"), timings=_timings(header.get("timings", [])))
+    if cls is Adapter:
+        return Adapter(
+            digest=_typed(header.get("digest"), str, "digest"),
+            scaling=_finite(header.get("scaling"), "scaling"),
+            entries=[_entry(e) for e in _typed(header.get("entries"), list, "entries")],
+        )
+    if cls is ParamGrads:
+        entries = [_entry(e) for e in _typed(header.get("entries"), list, "entries")]
+        return ParamGrads(step=_typed(header.get("step"), int, "step"), entries=entries)
     if cls is Error:
         failed = header.get("failed_peer")
         return Error(
@@ -169,12 +222,34 @@ def from_header(header: dict[str, Any]) -> Any:
     return cls()
 
 
+def _optional(value: Any, expected: type, name: str) -> Any:
+    return None if value is None else _typed(value, expected, name)
+
+
+MAX_ENTRY_DIMS = 4
+
+
+def _entry(raw: Any) -> tuple[str, list[int]]:
+    if not (isinstance(raw, (list, tuple)) and len(raw) == 2):
+        raise RequestError("adapter entries must be [name, shape]")
+    shape = _typed(raw[1], list, "entries shape")
+    if not 0 < len(shape) <= MAX_ENTRY_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise RequestError(f"adapter entry shape must be 1 to {MAX_ENTRY_DIMS} positive ints, got {shape!r}")
+    return _typed(raw[0], str, "entries name"), shape
+
+
 def raise_for_error(reply: Any) -> None:
     """Raise an Error reply: PeerFailed when it names a failed peer (route around it), else RequestError."""
     if isinstance(reply, Error):
         if reply.failed_peer is not None:
             raise PeerFailed(reply.message, reply.failed_peer)
         raise RequestError(reply.message)
+
+
+def _finite(raw: Any, name: str) -> float:
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not abs(raw) < float("inf"):
+        raise RequestError(f"field {name!r} must be a finite number")
+    return float(raw)
 
 
 def _non_negative(raw: Any, name: str) -> float:

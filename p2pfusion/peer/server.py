@@ -8,6 +8,7 @@ readable); every other session on this peer goes on. See p2pfusion.net.messages 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -17,11 +18,13 @@ import torch
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
+from p2pfusion.net.codecs import pack
 from p2pfusion.net.compression import AUTO
 from p2pfusion.net.framing import BadTensor, FrameError, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
+from p2pfusion.net.payloads import flatten
 from p2pfusion.net.transport import Transport
-from p2pfusion.peer.session import Session
+from p2pfusion.peer.session import Session, StepInputs
 
 log = logging.getLogger(__name__)
 
@@ -185,24 +188,40 @@ class StageServer:
             message = m.from_header(header)
             if isinstance(message, m.Close):
                 return
+            if isinstance(message, m.Adapter):
+                await self._on_adapter(session, message, tensor)
+                continue
             if not isinstance(message, m.Step):
                 raise RequestError(f"unexpected {message.kind!r} message inside a session")
             try:
-                hidden = session.check_hidden(tensor)
-                out, seconds = await self._run(self._forward, session, hidden)
+                inputs = session.check_step(message, tensor)
+                out, seconds = await self._run(self._forward, session, inputs)
             except RequestError as exc:
                 await write_frame(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
                 continue
             if session.training:
-                session.saved[message.step] = hidden
+                session.saved[message.step] = inputs
             else:
-                session.length += hidden.shape[1]
-            self.tokens_done += hidden.shape[0] * hidden.shape[1]
+                session.length += inputs.hidden.shape[1]
+            self.tokens_done += inputs.hidden.shape[0] * inputs.hidden.shape[1]
             timings = [*message.timings, (self.peer_id, seconds)]
             if session.downstream is not None:
-                await write_frame(session.downstream, m.to_header(m.Step(message.step, timings)), session.pack(out))
+                onward = m.to_header(dataclasses.replace(message, timings=timings))
+                await write_frame(session.downstream, onward, session.pack(out))
             else:
                 await write_frame(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
+
+    async def _on_adapter(self, session: Session, message: m.Adapter, flat: torch.Tensor | None) -> None:
+        """Keep this stage's part of the session's parameters; pass the rest on. A bad adapter ends
+        the session (its steps would run on the wrong parameters)."""
+        rest = session.set_adapter(message, flat)
+        if not rest:
+            return
+        if session.downstream is None:
+            raise RequestError(f"adapter parameter {next(iter(rest))} is for a layer past the end of this route")
+        entries = [(name, list(value.shape)) for name, value in rest.items()]
+        onward = m.Adapter(message.digest, message.scaling, entries)
+        await write_frame(session.downstream, m.to_header(onward), pack(flatten(list(rest.values()))))
 
     async def _run(self, fn, session: Session, *tensors: torch.Tensor) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()
@@ -217,13 +236,15 @@ class StageServer:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
-    def _forward(self, session: Session, hidden: torch.Tensor) -> torch.Tensor:
-        self._threads_for(hidden)
-        return session.stage.forward(hidden, session.length, session.cache)
+    def _forward(self, session: Session, inputs: StepInputs) -> torch.Tensor:
+        self._threads_for(inputs.hidden)
+        return session.stage.forward(
+            inputs.hidden, session.length, session.cache, inputs.mask, inputs.positions, session.adapter
+        )
 
-    def _backward(self, session: Session, hidden: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-        self._threads_for(hidden)
-        return session.stage.backward(hidden, grad)
+    def _backward(self, session: Session, inputs: StepInputs, grad: torch.Tensor):
+        self._threads_for(inputs.hidden)
+        return session.stage.backward(inputs.hidden, grad, inputs.mask, inputs.positions, session.adapter)
 
     async def _on_backward(self, session_id: str, message: m.Backward, grad: torch.Tensor | None, reply) -> None:
         """Compute a step's input gradient and send it upstream; a bad one answers with an Error."""
@@ -232,11 +253,15 @@ class StageServer:
             await _send_quietly(reply, m.Error(message=f"backward: unknown session {session_id}", step=message.step))
             return
         try:
-            hidden, grad = session.take_saved(message.step, grad)
-            grad_in, seconds = await self._run(self._backward, session, hidden, grad)
+            inputs, grad = session.take_saved(message.step, grad)
+            (grad_in, param_grads), seconds = await self._run(self._backward, session, inputs, grad)
         except RequestError as exc:
             await _send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return
+        if param_grads:  # before the input's gradient, so the client has them all when that comes
+            entries = [(name, list(g.shape)) for name, g in zip(session.adapter.names, param_grads)]
+            header = m.to_header(m.ParamGrads(message.step, entries))
+            await write_frame(session.upstream, header, pack(flatten(param_grads)))
         timings = [*message.timings, (self.peer_id, seconds)]
         await write_frame(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
 
@@ -263,8 +288,8 @@ class StageServer:
                     header, tensor = await read_frame(downstream_reader)
                     if header.get("kind") == m.Backward.kind:
                         await self._on_backward(session.session_id, m.from_header(header), tensor, session.upstream)
-                    else:
-                        await write_frame(session.upstream, header)
+                    else:  # the hops after us report to the client through us
+                        await write_frame(session.upstream, header, None if tensor is None else pack(tensor))
                 except FrameError:
                     raise  # the stream is out of step: it ends below
                 except RequestError as exc:  # one bad gradient or message costs its step only

@@ -2,7 +2,8 @@
 
 An inference session keeps a KV cache and grows step by step. A training session keeps no cache:
 each step is a full forward, whose input is kept until its `Backward` comes (at most MAX_SAVED
-steps at once, so a client cannot fill the peer's memory).
+steps at once, so a client cannot fill the peer's memory). Either kind may carry an adapter (the
+client's own parameters for these layers), which lives and dies with the session.
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pfusion.errors import RequestError
+from p2pfusion.models.adapters import StageAdapter, layer_of, stage_adapter
 from p2pfusion.models.stage import Stage
+from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import Codec, ErrorFeedback, Packed, pack
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
+from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
 
-MAX_SAVED = 8
+
+@dataclass
+class StepInputs:
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    positions: torch.Tensor | None
 
 
 @dataclass
@@ -35,7 +44,8 @@ class Session:
     downstream: asyncio.StreamWriter | None = None
     sink: asyncio.StreamWriter | None = None
     relay: asyncio.Task | None = field(default=None, repr=False)
-    saved: dict[int, torch.Tensor] = field(default_factory=dict)  # training: step -> its input
+    saved: dict[int, StepInputs] = field(default_factory=dict)  # training: step -> its inputs
+    adapter: StageAdapter | None = None
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
 
@@ -43,7 +53,7 @@ class Session:
     def training(self) -> bool:
         return self.purpose == Purpose.TRAINING
 
-    def check_hidden(self, tensor: torch.Tensor | None) -> torch.Tensor:
+    def check_step(self, message: m.Step, tensor: torch.Tensor | None) -> StepInputs:
         stage = self.stage
         if tensor is None:
             raise RequestError("step carries no hidden states")
@@ -53,22 +63,39 @@ class Session:
             raise RequestError(
                 f"hidden states must have shape [batch, tokens, {stage.hidden_size}], got {list(tensor.shape)}"
             )
-        length = tensor.shape[1] + (0 if self.training else self.length)
-        if length > self.max_length:
-            raise RequestError(f"session length {length} exceeds its max_length {self.max_length}")
-        if self.training and len(self.saved) >= MAX_SAVED:
-            raise RequestError(f"{MAX_SAVED} training steps already await their backward pass")
+        batch, tokens = tensor.shape[:2]
+        if batch * tokens > m.MAX_STEP_TOKENS:
+            raise RequestError(f"a step holds at most {m.MAX_STEP_TOKENS} tokens (batch x length), got {batch * tokens}")
+        offset = 0 if self.training else self.length
+        if offset + tokens > self.max_length:
+            raise RequestError(f"session length {offset + tokens} exceeds its max_length {self.max_length}")
+        if self.training and len(self.saved) >= m.MAX_SAVED:
+            raise RequestError(f"{m.MAX_SAVED} training steps already await their backward pass")
+        held = None if self.adapter is None else self.adapter.digest
+        if message.adapter != held:
+            raise RequestError(f"step expects adapter {message.adapter}, but this session holds {held}")
         if not torch.isfinite(tensor).all():
             raise RequestError("hidden states contain NaN or infinity")
-        return tensor
+        mask = None if message.mask is None else mask_from_wire(message.mask, batch, offset + tokens)
+        positions = None if message.positions is None else positions_from_wire(message.positions, batch, tokens)
+        return StepInputs(tensor, mask, positions)
 
-    def take_saved(self, step: int, grad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The input kept for `step`, and its output's gradient once checked against it."""
+    def set_adapter(self, message: m.Adapter, flat: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Keep the entries for this stage's layers; return the others, for the hops after us."""
+        values = unflatten(flat, [shape for _, shape in message.entries])
+        ours, rest = {}, {}
+        for (name, _), value in zip(message.entries, values):
+            (rest if layer_of(name) >= self.stage.end else ours)[name] = value.to(self.stage.dtype)
+        self.adapter = stage_adapter(self.stage.module, self.stage.start, self.stage.end, ours, message.scaling, message.digest)
+        return rest
+
+    def take_saved(self, step: int, grad: torch.Tensor | None) -> tuple[StepInputs, torch.Tensor]:
+        """The inputs kept for `step`, and its output's gradient once checked against them."""
         if not self.training:
             raise RequestError("backward: this is not a training session")
         if step not in self.saved:
             raise RequestError(f"backward: no forward of step {step} awaits its backward pass")
-        hidden = self.saved[step]  # kept until a valid gradient comes, so a client may send it again
+        hidden = self.saved[step].hidden  # kept until a valid gradient comes, so a client may send it again
         if grad is None or grad.dtype != hidden.dtype or grad.shape != hidden.shape:
             got = None if grad is None else (grad.dtype, list(grad.shape))
             raise RequestError(f"backward: the gradient must be {hidden.dtype} of shape {list(hidden.shape)}, got {got}")

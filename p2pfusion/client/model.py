@@ -1,0 +1,252 @@
+"""AutoDistributedModelForCausalLM: a transformers causal LM whose decoder layers run in the swarm.
+
+The object is the family's own causal-LM class (e.g. LlamaForCausalLM, subclassed) built with no
+decoder layers: embeddings, final norm and LM head are local. Its inner decoder is replaced by a
+RemoteDecoder, which sends hidden states through the swarm. So `forward` (loss from labels,
+logits, output classes) and `generate` are transformers' own code, and the model trains like any
+torch module: `loss.backward()` reaches the peers and comes back as gradients of the client's
+trainable parameters (soft prompts, deep prompts, LoRA).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import Cache, GenerationConfig
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from p2pfusion.client.adapters import Adapter, RemoteParameters, TuningConfig
+from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.remote_layers import RemoteLayers, SwarmClient
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import RequestError
+from p2pfusion.models.adapters import DEFAULT_LORA_TARGETS
+from p2pfusion.models.source import resolve_model
+from p2pfusion.models.stage import load_config, load_head
+from p2pfusion.net.compression import AUTO, Purpose
+
+MAX_SESSION_LENGTH = 2048  # what peers accept by default (run-peer --max-length)
+
+
+class RemoteCache(Cache):
+    """Stands for the peers' KV caches during `generate`: an inference session kept open between
+    steps. Its length counts the caller's tokens (not the soft prompt's)."""
+
+    def __init__(self, client: SwarmClient, params: RemoteParameters | None, max_length: int):
+        super().__init__(layers=[])
+        self.client = client
+        self.params = params
+        self.max_length = max_length
+        self.length = 0
+        self.session: ResilientSession | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, tokens: int) -> torch.Tensor:
+        client = self.client
+        if self.session is None:
+            self.session = client.run(client.connection(Purpose.INFERENCE, self.params, self.max_length).open())
+        out = client.run(self.session.step(hidden, mask, positions))
+        self.length += tokens
+        return out
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
+
+    def close(self) -> None:
+        if self.session is not None:
+            self.client.run(self.session.close())
+            self.session = None
+
+
+class RemoteDecoder(nn.Module):
+    """In place of the family's decoder model: local embeddings and final norm around the swarm."""
+
+    def __init__(self, inner: nn.Module, client: SwarmClient, adapter: Adapter | None, dtype: torch.dtype):
+        super().__init__()
+        self.config = inner.config
+        self.embed_tokens = inner.embed_tokens
+        self.norm = inner.norm
+        self.adapter = adapter
+        self.client = client
+        self.dtype = dtype
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed_tokens
+
+    def forward(
+        self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+        use_cache=None, **kwargs,
+    ) -> BaseModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise RequestError("pass exactly one of input_ids and inputs_embeds")
+        if past_key_values is not None and not isinstance(past_key_values, RemoteCache):
+            raise RequestError("past_key_values must be a RemoteCache: the peers hold the KV caches")
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if embeds.dim() != 3 or embeds.shape[-1] != self.config.hidden_size:
+            raise RequestError(f"inputs_embeds must be [batch, tokens, {self.config.hidden_size}], got {list(embeds.shape)}")
+        batch, tokens = embeds.shape[:2]
+        cache: RemoteCache | None = past_key_values
+        past = 0 if cache is None else cache.get_seq_length()
+        positions = _positions(position_ids, batch, tokens, past)
+        mask = _mask(attention_mask, batch, past + tokens)
+        prompt = 0 if self.adapter is None else self.adapter.prompt_length
+        if prompt:  # the soft prompt sits before every sequence, at positions 0..prompt-1
+            if past == 0:
+                soft = self.adapter.soft_prompt.to(embeds.dtype).expand(batch, -1, -1)
+                embeds = torch.cat([soft, embeds], dim=1)
+                positions = torch.cat([torch.arange(prompt).expand(batch, -1), positions + prompt], dim=1)
+            else:
+                positions = positions + prompt
+            if mask is not None:
+                mask = torch.cat([torch.ones(batch, prompt, dtype=mask.dtype), mask], dim=1)
+        hidden = self._layers(embeds.to(self.dtype), mask, positions, cache, tokens)
+        if prompt and past == 0:
+            hidden = hidden[:, prompt:]
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
+
+    def _layers(self, hidden, mask, positions, cache: RemoteCache | None, tokens: int) -> torch.Tensor:
+        if cache is not None:
+            return cache.step(hidden.detach(), mask, positions, tokens)
+        params = [] if self.adapter is None else [p for _, p in self.adapter.named_remote()]
+        if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
+            return RemoteLayers.apply(hidden, self.client, mask, positions, self.adapter, *params)
+        remote = None if self.adapter is None else self.adapter.remote_parameters()
+        return self.client.forward_once(hidden.detach(), mask, positions, remote)
+
+
+def _positions(position_ids: torch.Tensor | None, batch: int, tokens: int, past: int) -> torch.Tensor:
+    if position_ids is None:
+        return torch.arange(past, past + tokens).expand(batch, -1)
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.dim() != 2 or position_ids.shape[1] != tokens or position_ids.shape[0] not in (1, batch):
+        raise RequestError(f"position_ids must be [batch, {tokens}], got {list(position_ids.shape)}")
+    return position_ids.expand(batch, -1).to(torch.long)
+
+
+def _mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor | None:
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        raise RequestError(f"attention_mask must be [batch, length] = [{batch}, {length}], got {list(attention_mask.shape)}")
+    return None if bool(attention_mask.all()) else attention_mask.to(torch.long)
+
+
+class DistributedModelMixin:
+    """What a distributed model adds to the family's causal-LM class."""
+
+    model: RemoteDecoder
+
+    @property
+    def adapter(self) -> Adapter | None:
+        return self.model.adapter
+
+    def set_adapter(self, adapter: Adapter | None) -> None:
+        """Use these trainable parameters from now on (None: the plain model)."""
+        self.model.adapter = adapter
+
+    def forward(
+        self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+        labels=None, use_cache=None, logits_to_keep=0, **kwargs,
+    ):
+        inputs = input_ids if input_ids is not None else inputs_embeds
+        if labels is not None and inputs is not None and tuple(labels.shape) != tuple(inputs.shape[:2]):
+            raise RequestError(f"labels must have the inputs' shape {list(inputs.shape[:2])}, got {list(labels.shape)}")
+        return super().forward(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+            logits_to_keep=logits_to_keep, **kwargs,
+        )
+
+    def generate(self, *args, **kwargs):
+        config = kwargs.get("generation_config") or self.generation_config
+        if (kwargs.get("num_beams") or config.num_beams or 1) > 1:
+            raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
+        if kwargs.get("past_key_values") is not None:
+            return super().generate(*args, **kwargs)
+        adapter = self.model.adapter
+        params = None if adapter is None else adapter.remote_parameters()
+        cache = RemoteCache(self.model.client, params, self.model.client.max_length)
+        try:
+            return super().generate(*args, past_key_values=cache, **kwargs)
+        finally:
+            cache.close()
+
+    def save_adapter(self, path: str | Path) -> None:
+        if self.model.adapter is None:
+            raise RequestError("this model has no adapter to save: load it with tuning=... or load_adapter()")
+        self.model.adapter.save(path, self.model.client.model)
+
+    def load_adapter(self, path: str | Path) -> Adapter:
+        adapter = Adapter.load(path, self.config, self.model.client.model)
+        self.set_adapter(adapter)
+        return adapter
+
+    def close(self) -> None:
+        """Leave the swarm and stop the client's network thread."""
+        self.model.client.close()
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _distributed_class(base: type) -> type:
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Distributed{base.__name__}", (DistributedModelMixin, base), {})
+    return _CLASSES[base]
+
+
+class AutoDistributedModelForCausalLM:
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | None = None,
+        initial_peers: list[str] | tuple[str, ...] = (),
+        tuning: str | None = None,
+        lora_rank: int = 8,
+        lora_alpha: float = 16.0,
+        lora_targets: tuple[str, ...] | list[str] = DEFAULT_LORA_TARGETS,
+        prompt_tokens: int = 16,
+        adapter: str | Path | None = None,
+        dtype: torch.dtype = torch.float32,
+        compression: str = AUTO,
+    ):
+        """The model (a local folder, a .gguf file, a Hub id, or None for the default model) served by
+        the swarm that `initial_peers` belong to. `tuning` ("prompt", "deep_prompt" or "lora") adds
+        fresh trainable parameters; `adapter` loads saved ones instead."""
+        tuning_config = None if tuning is None else TuningConfig(
+            tuning, rank=lora_rank, alpha=lora_alpha, targets=tuple(lora_targets), prompt_tokens=prompt_tokens
+        )
+        if not initial_peers:
+            raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
+        source = resolve_model(model)
+        config = load_config(source)
+        head = load_head(source, dtype)
+        if (source.folder / "generation_config.json").is_file():
+            head.generation_config = GenerationConfig.from_pretrained(source.folder)
+        loop = BackgroundLoop()
+        try:
+            swarm = loop.run(join_swarm(list(initial_peers), client_mode=True))
+        except BaseException:
+            loop.close()
+            raise
+        max_length = min(int(getattr(config, "max_position_embeddings", MAX_SESSION_LENGTH)), MAX_SESSION_LENGTH)
+        client = SwarmClient(loop, swarm, source.name, config.num_hidden_layers, max_length, compression)
+        trainable = None
+        if adapter is not None:
+            trainable = Adapter.load(adapter, config, source.name)
+        elif tuning_config is not None:
+            trainable = Adapter(config, tuning_config, head.get_input_embeddings())
+        head.model = RemoteDecoder(head.model, client, trainable, dtype)
+        head.config = head.model.config = config  # the whole model's, as users and generate expect
+        head.__class__ = _distributed_class(type(head))
+        return head

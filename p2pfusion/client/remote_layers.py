@@ -1,0 +1,104 @@
+"""The swarm's layers as a differentiable function, for synchronous torch code.
+
+`SwarmClient` owns a background asyncio loop with the client's swarm node in it. `RemoteLayers`
+is the autograd function: its forward sends hidden states through a training session, its
+backward sends the output's gradient back through the same peers, and returns the gradients of
+the input and of the adapter's parameters, which the peers computed on their frozen layers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from p2pfusion.client.adapters import Adapter, RemoteParameters
+from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.health import PeerHealth, load_observed, save_observed
+from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.training import TrainingSession, split_batch
+from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.errors import RequestError
+from p2pfusion.net import messages as m
+from p2pfusion.net.compression import Purpose
+from p2pfusion.net.links import LinkBook
+
+
+class SwarmClient:
+    def __init__(self, loop: BackgroundLoop, swarm: SwarmNode, model: str, num_layers: int, max_length: int, compression: str):
+        self.loop = loop
+        self.swarm = swarm
+        self.model = model
+        self.num_layers = num_layers
+        self.max_length = max_length  # the longest sequence a session asks peers for
+        self.compression = compression
+        self.health = PeerHealth(observed=load_observed(model))
+        self.links = LinkBook(swarm.transport)
+        self._training: TrainingSession | None = None
+
+    def run(self, coro):
+        return self.loop.run(coro)
+
+    def connection(self, purpose: Purpose, params: RemoteParameters | None, max_length: int | None = None) -> ResilientSession:
+        return ResilientSession(
+            self.swarm, self.model, self.num_layers, max_length or self.max_length, self.health, self.links,
+            self.compression, params=params, purpose=purpose,
+        )
+
+    @property
+    def training(self) -> TrainingSession:
+        """One training session for all of this client's steps: a route and its adapter are set
+        up once, and the adapter is sent again only when its values change."""
+        if self._training is None:
+            self._training = TrainingSession(self.connection(Purpose.TRAINING, None))
+        return self._training
+
+    def forward_once(
+        self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, params: RemoteParameters | None
+    ) -> torch.Tensor:
+        """A forward pass without gradients: an inference session of one step per chunk of rows."""
+        rows = max(1, m.MAX_STEP_TOKENS // hidden.shape[1])
+
+        async def go() -> torch.Tensor:
+            outputs = []
+            for i in range(0, hidden.shape[0], rows):  # each chunk of rows is a batch with its own caches
+                part = slice(i, i + rows)
+                session = await self.connection(Purpose.INFERENCE, params, hidden.shape[1]).open()
+                try:
+                    outputs.append(await session.step(hidden[part], None if mask is None else mask[part], positions[part]))
+                finally:
+                    await session.close()
+            return torch.cat(outputs, dim=0)
+
+        return self.run(go())
+
+    def close(self) -> None:
+        async def go():
+            if self._training is not None:
+                await self._training.close()
+            save_observed(self.model, self.health.observed)
+            await self.swarm.shutdown()
+
+        if not self.loop.loop.is_closed():
+            self.run(go())
+            self.loop.close()
+
+
+class RemoteLayers(torch.autograd.Function):
+    """hidden -> the last stage's output, differentiable in `hidden` and in the adapter's remote
+    parameters (passed as trailing arguments so autograd tracks them)."""
+
+    @staticmethod
+    def forward(ctx, hidden, client: SwarmClient, mask, positions, adapter: Adapter | None, *params):
+        chunks = split_batch(hidden.detach(), mask, positions)
+        remote = None if adapter is None else adapter.remote_parameters()
+        ctx.client, ctx.chunks, ctx.dtype = client, chunks, hidden.dtype
+        ctx.names = [] if adapter is None else [name for name, _ in adapter.named_remote()]
+        return client.run(client.training.forward(chunks, remote)).to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        client: SwarmClient = ctx.client
+        grad_input, grads = client.run(client.training.backward(ctx.chunks, grad.contiguous().to(ctx.chunks[0].hidden.dtype)))
+        missing = [name for name in ctx.names if name not in grads]
+        if missing:
+            raise RequestError(f"the swarm returned no gradient for {missing[0]}")
+        return (grad_input.to(ctx.dtype), None, None, None, None, *[grads[name] for name in ctx.names])

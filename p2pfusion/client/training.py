@@ -1,0 +1,120 @@
+"""Training steps through the swarm: forward passes whose inputs the peers keep, and backward passes
+that return the gradients of those inputs and of the client's adapter parameters.
+
+A batch goes as chunks of at most MAX_STEP_TOKENS tokens, all sent before any result is awaited,
+so the hops work on different chunks at once and each peer holds a bounded amount per step.
+
+The client also keeps each chunk's inputs until its backward pass is done. If a peer fails before
+that, a new route computes those chunks' forward again and the backward goes on there: the loss
+and gradients are the ones the old route would have given.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from p2pfusion.client.adapters import RemoteParameters
+from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.session import InferenceSession
+from p2pfusion.errors import PeerFailed, RequestError
+from p2pfusion.net import messages as m
+
+log = logging.getLogger(__name__)
+
+STEP_TIMEOUT = 300.0  # a whole batch's pass on slow peers
+
+
+@dataclass
+class Chunk:
+    """Some sequences of a batch, as one training step on the peers."""
+
+    hidden: torch.Tensor
+    mask: torch.Tensor | None
+    positions: torch.Tensor
+    step: int = 0  # its number in `session`, once sent
+    session: InferenceSession | None = field(default=None, repr=False)
+
+
+def split_batch(
+    hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, max_tokens: int = m.MAX_STEP_TOKENS
+) -> list[Chunk]:
+    """Whole sequences per chunk, as many as fit in `max_tokens`; at most MAX_SAVED chunks, which
+    is what peers keep between a forward pass and its backward."""
+    batch, tokens = hidden.shape[:2]
+    if tokens > max_tokens:
+        raise RequestError(f"sequences of {tokens} tokens are longer than peers take in one step ({max_tokens})")
+    rows = max_tokens // tokens
+    if -(-batch // rows) > m.MAX_SAVED:
+        raise RequestError(
+            f"a batch of {batch} sequences of {tokens} tokens is larger than the peers accept: at most "
+            f"{rows * m.MAX_SAVED} such sequences per forward pass ({m.MAX_SAVED} steps of {max_tokens} tokens)"
+        )
+    return [
+        Chunk(h, None if mask is None else mask[i:i + rows], positions[i:i + rows])
+        for i, h in zip(range(0, batch, rows), hidden.split(rows))
+    ]
+
+
+class TrainingSession:
+    def __init__(self, connection: ResilientSession):
+        self.connection = connection  # opened for training; it finds routes and fails over
+        self.recoveries = 0
+
+    async def forward(self, chunks: list[Chunk], params: RemoteParameters | None) -> torch.Tensor:
+        """The last stage's output for the chunks' sequences, in order, as one batch."""
+        while True:
+            try:
+                await self._ready(params)
+                return torch.cat(await self._forward(chunks), dim=0)
+            except PeerFailed as exc:
+                await self._recover(exc)
+
+    async def backward(
+        self, chunks: list[Chunk], grad: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The gradients of the chunks' inputs (as one batch) and of the adapter's parameters
+        (summed over the chunks), given the gradient of their output."""
+        grads = grad.split([c.hidden.shape[0] for c in chunks])
+        while True:
+            try:
+                await self._ready(self.connection.params)
+                session = self.connection.session
+                if any(c.session is not session for c in chunks):  # a new route: it needs the inputs again
+                    await self._forward(chunks)
+                for chunk, g in zip(chunks, grads):
+                    await session.submit_backward(chunk.step, g.contiguous())
+                inputs, params = [], {}
+                for chunk in chunks:
+                    grad_input, grad_params = await session.backward_result(chunk.step, STEP_TIMEOUT)
+                    inputs.append(grad_input)
+                    for name, value in grad_params.items():
+                        params[name] = params[name] + value if name in params else value
+                return torch.cat(inputs, dim=0), params
+            except PeerFailed as exc:
+                await self._recover(exc)
+
+    async def _ready(self, params: RemoteParameters | None) -> None:
+        if self.connection.session is None:
+            self.connection.params = params
+            await self.connection.connect(recovering=self.recoveries > 0)
+        else:
+            await self.connection.update_params(params)
+
+    async def _forward(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        session = self.connection.session
+        for chunk in chunks:
+            chunk.step = await session.submit(chunk.hidden, chunk.mask, chunk.positions)
+            chunk.session = session
+        return [await session.result(chunk.step, STEP_TIMEOUT) for chunk in chunks]
+
+    async def _recover(self, exc: PeerFailed) -> None:
+        log.warning("training step failed on its route (%s); retrying on another", exc)
+        self.connection.failed(exc)
+        self.recoveries += 1
+        await self.connection.drop()
+
+    async def close(self) -> None:
+        await self.connection.close()

@@ -1,0 +1,192 @@
+"""Fine-tuning through real peers on 127.0.0.1 with the Python API: losses, logits and gradients of
+soft prompts, deep prompts and LoRA match transformers (and PEFT) on the same model; generate
+matches; adapters round-trip through PEFT's format; bad input gets clear errors."""
+
+import threading
+
+import pytest
+import torch
+from peft import PeftModel
+
+from p2pfusion import AutoDistributedModelForCausalLM
+from p2pfusion.cli.local_swarm import LocalSwarm
+from p2pfusion.client.adapters import Adapter, TuningConfig
+from p2pfusion.errors import ModelError, RequestError
+from transformers import LlamaConfig
+
+from tests.conftest import COMMON, reference_model
+from tests.finetune_refs import LocalReference, distributed_grads, randomize
+from tests.swarm import peers_in_background
+
+IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1, 8, 30], [0, 0, 0, 6, 5, 4, 3, 2, 77, 12]])
+MASK = torch.tensor([[1] * 10, [0, 0, 0] + [1] * 7])  # the second sequence is left-padded
+LABELS = IDS.masked_fill(MASK == 0, -100)
+RANGES = [(0, 2), (2, 3), (3, 4)]
+
+
+def _check_step(model, reference: LocalReference) -> None:
+    out = model(IDS, attention_mask=MASK, labels=LABELS)
+    out.loss.backward()
+    expected = reference(IDS, attention_mask=MASK, labels=LABELS)
+    expected.loss.backward()
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-5, rtol=0)
+    ours, theirs = distributed_grads(model), reference.grads()
+    assert ours.keys() == theirs.keys()
+    if model.adapter.tuning.mode != "prompt":  # parameters on every remote layer (deep prompts: from layer 1)
+        layers = {int(name.split(".")[1]) for name in ours if name.startswith("layers.")}
+        assert layers == set(range(model.adapter.tuning.mode == "deep_prompt", model.config.num_hidden_layers))
+    for name in ours:
+        assert theirs[name].abs().max() > 0, name
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "qwen2", "mistral"])
+def test_gradients_of_every_tuning_mode_match_local_autograd(tiny_models, family):
+    source = tiny_models[family]
+    with peers_in_background(source, RANGES) as (_, maddrs, _):
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs)
+        try:
+            for mode in ("prompt", "deep_prompt", "lora"):
+                tuning = TuningConfig(mode, rank=4, prompt_tokens=3)
+                model.set_adapter(Adapter(model.config, tuning, model.get_input_embeddings()))
+                randomize(model.adapter)
+                _check_step(model, LocalReference(source, model.adapter))
+        finally:
+            model.close()
+
+
+def test_generate_save_load_and_peft_merge(tiny_models, tmp_path):
+    source = tiny_models["llama"]
+    with peers_in_background(source, RANGES) as (_, maddrs, _):
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(source.folder), initial_peers=maddrs, tuning="lora", lora_rank=4, lora_targets=["q_proj", "v_proj", "down_proj"]
+        )
+        try:
+            randomize(model.adapter, scale=0.2)
+            reference = LocalReference(source, model.adapter)
+            with torch.no_grad():  # greedy, on a left-padded batch, through the peers' KV caches
+                ours = model.generate(IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False)
+                theirs = reference.model.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=12, do_sample=False)
+                assert ours.tolist() == theirs.tolist()
+                torch.manual_seed(7)
+                ours = model.generate(IDS[:1], max_new_tokens=12, do_sample=True, top_k=20, temperature=0.8)
+                torch.manual_seed(7)
+                theirs = reference.model.generate(input_ids=IDS[:1], max_new_tokens=12, do_sample=True, top_k=20, temperature=0.8)
+                assert ours.tolist() == theirs.tolist()
+                with pytest.raises(RequestError, match="beam search"):
+                    model.generate(IDS[:1], max_new_tokens=2, num_beams=2)
+                logits = model(IDS, attention_mask=MASK).logits
+
+            model.save_adapter(tmp_path / "adapter")
+            peft_model = PeftModel.from_pretrained(reference_model(source), tmp_path / "adapter").eval()
+            merged = peft_model.merge_and_unload()
+            with torch.no_grad():
+                torch.testing.assert_close(merged(IDS, attention_mask=MASK).logits, logits, atol=1e-5, rtol=0)
+
+            model.set_adapter(None)
+            with torch.no_grad():
+                plain = model(IDS, attention_mask=MASK).logits
+                assert (plain - logits).abs().max() > 1e-3  # the adapter mattered
+                model.load_adapter(tmp_path / "adapter")
+                torch.testing.assert_close(model(IDS, attention_mask=MASK).logits, logits, atol=1e-6, rtol=0)
+        finally:
+            model.close()
+
+
+def test_concurrent_clients_train_their_own_parameters(tiny_models):
+    source = tiny_models["llama"]
+    with peers_in_background(source, RANGES) as (_, maddrs, _):
+        models = [
+            AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs, tuning="lora", lora_rank=4)
+            for _ in range(2)
+        ]
+        try:
+            for seed, model in enumerate(models):
+                randomize(model.adapter, seed=seed + 10)
+            references = [LocalReference(source, model.adapter) for model in models]
+            errors = []
+
+            def train(model, reference):
+                try:
+                    for _ in range(3):  # steps interleave on the peers; each must see only its own adapter
+                        for p in [*model.adapter.parameters(), *reference.trainable()]:
+                            p.grad = None
+                        _check_step(model, reference)
+                        with torch.no_grad():
+                            for p in model.adapter.parameters():
+                                p -= 0.1 * p.grad
+                        reference.load(model.adapter)
+                except Exception as exc:  # reported in the main thread below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=train, args=pair) for pair in zip(models, references)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors, errors
+        finally:
+            for model in models:
+                model.close()
+
+
+def test_bad_input_gets_clear_errors(tiny_models, tmp_path):
+    with pytest.raises(RequestError, match="unknown tuning mode 'ia3'"):
+        AutoDistributedModelForCausalLM.from_pretrained(None, initial_peers=["/ip4/127.0.0.1/tcp/1"], tuning="ia3")
+
+    wider = LlamaConfig(**{**COMMON, "hidden_size": 96})  # adapters made for other models
+    deeper = LlamaConfig(**{**COMMON, "num_hidden_layers": 6})
+    Adapter(wider, TuningConfig("lora", rank=4)).save(tmp_path / "wider", "wider")
+    Adapter(deeper, TuningConfig("deep_prompt", prompt_tokens=2)).save(tmp_path / "deeper", "deeper")
+    source = tiny_models["llama"]
+    with peers_in_background(source, RANGES) as (_, maddrs, _):
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs, tuning="lora")
+        try:
+            with pytest.raises(ModelError, match=r"does not fit this model: .*q_proj.lora_A.weight is \[4, 96\], this model needs \[4, 64\]"):
+                model.load_adapter(tmp_path / "wider")
+            with pytest.raises(ModelError, match="does not fit this model: it has layers.4.prompt"):
+                model.load_adapter(tmp_path / "deeper")
+            with pytest.raises(ModelError, match="cannot read the adapter"):
+                model.load_adapter(tmp_path / "missing")
+            with pytest.raises(RequestError, match="labels must have the inputs' shape"):
+                model(IDS, labels=IDS[:, :-1])
+            with pytest.raises(RequestError, match="larger than the peers accept"):
+                model(torch.zeros(700, 128, dtype=torch.long), labels=torch.zeros(700, 128, dtype=torch.long))
+            out = model(IDS, attention_mask=MASK, labels=LABELS)  # the client still works afterwards
+            assert torch.isfinite(out.loss)
+        finally:
+            model.close()
+
+
+def test_a_peer_dying_mid_step_costs_a_retry_not_the_result(tiny_models):
+    """The middle peer is killed (SIGKILL) between a step's forward and backward passes: the step is
+    retried on a route through a warm backup, with the loss and gradients of an undisturbed step."""
+    source = tiny_models["llama"]
+    fixed = ["--throughput", "100"]
+    with LocalSwarm(model=str(source.folder)) as swarm:
+        first = swarm.launch((0, 2), fixed)
+        swarm.wait_ready(first)
+        middle, last, backup = swarm.launch((2, 3), fixed), swarm.launch((3, 4), fixed), swarm.launch((2, 3), [*fixed, "--backup"])
+        middle_id = swarm.wait_ready(middle)[0].rsplit("/p2p/", 1)[1]
+        for proc in (last, backup):
+            swarm.wait_ready(proc)
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=swarm.maddrs, tuning="lora", lora_rank=4)
+        try:
+            randomize(model.adapter)
+            reference = LocalReference(source, model.adapter)
+            out = model(IDS, attention_mask=MASK, labels=LABELS)
+            route = [hop.peer_id for hop in model.model.client.training.connection.session.route]
+            assert route[1] == middle_id  # backups serve only when something failed
+            middle.kill()
+            middle.wait()
+            out.loss.backward()
+            assert model.model.client.training.recoveries >= 1
+            expected = reference(IDS, attention_mask=MASK, labels=LABELS)
+            expected.loss.backward()
+            torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
+            ours, theirs = distributed_grads(model), reference.grads()
+            for name in ours:
+                torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=0, msg=name)
+        finally:
+            model.close()
