@@ -81,6 +81,9 @@ def main() -> None:
 
     hidden = model.config.hidden_size
     tensor_bytes = args.batch * args.tokens * hidden * 4
+    adapter_bytes = sum(p.numel() for p in model.adapter.parameters()) * 4
+    # the adapter goes down the chain (all of it to hop 1, two thirds on, ...) and its gradients up
+    chained = 2 * adapter_bytes * (1 + 2 / 3 + 1 / 3)
     ours, theirs = statistics.median(swarm_times), statistics.median(local_times)
     print(f"forward+backward+optimizer step, LoRA r={args.rank} on {','.join(TARGETS)}, batch {args.batch}x{args.tokens}, "
           f"median of {args.runs}")
@@ -88,7 +91,8 @@ def main() -> None:
     print(f"  local:           {theirs * 1000:8.0f} ms   runs: {', '.join(f'{t * 1000:.0f}' for t in local_times)}")
     print(f"  ratio local/swarm (1.0 = as fast as local): {theirs / ours:.2f}")
     print(f"  bytes written per step by all processes: {statistics.median(sent) / 1e6:.2f} MB "
-          f"(hidden states and gradients over 4 links each way: {8 * tensor_bytes / 1e6:.2f} MB raw float32)")
+          f"(raw float32: hidden states and their gradients over 4 links each way {8 * tensor_bytes / 1e6:.2f} MB, "
+          f"adapter upload and its gradients {chained / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

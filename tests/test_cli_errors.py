@@ -7,6 +7,8 @@ import sys
 import pytest
 import uvloop
 
+from p2pfusion.client.adapters import Adapter, TuningConfig
+from tests.conftest import reference_model
 from tests.swarm import running_peers
 
 CLI = [sys.executable, "-m", "p2pfusion.cli.main"]
@@ -106,3 +108,19 @@ def test_unavailable_gpu(tiny_models):
         pytest.skip("this machine has a GPU")
     folder = str(tiny_models["llama"].folder)
     assert_one_line_error(run("run-peer", "--model", folder, "--new-swarm", "--gpu", "0"), "not available")
+
+
+def test_adapter_that_does_not_fit(tiny_models, tmp_path):
+    peer = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    folder = str(tiny_models["llama"].folder)
+    assert_one_line_error(
+        run("infer", "--model", folder, "--initial-peers", peer, "--adapter", str(tmp_path / "none"), "hi"),
+        "cannot read the adapter",
+    )
+    config = reference_model(tiny_models["gemma"]).config
+    config.num_hidden_layers = 6  # made for a deeper model
+    Adapter(config, TuningConfig("lora", rank=2)).save(tmp_path / "deeper", "deeper")
+    assert_one_line_error(
+        run("infer", "--model", folder, "--initial-peers", peer, "--adapter", str(tmp_path / "deeper"), "hi"),
+        "does not fit this model",
+    )

@@ -11,6 +11,8 @@ from peft import PeftModel
 from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.adapters import Adapter, TuningConfig
+from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from transformers import LlamaConfig
 
@@ -58,7 +60,7 @@ def test_gradients_of_every_tuning_mode_match_local_autograd(tiny_models, family
 
 def test_generate_save_load_and_peft_merge(tiny_models, tmp_path):
     source = tiny_models["llama"]
-    with peers_in_background(source, RANGES) as (_, maddrs, _):
+    with peers_in_background(source, RANGES) as (_, maddrs, peers_loop):
         model = AutoDistributedModelForCausalLM.from_pretrained(
             str(source.folder), initial_peers=maddrs, tuning="lora", lora_rank=4, lora_targets=["q_proj", "v_proj", "down_proj"]
         )
@@ -90,8 +92,35 @@ def test_generate_save_load_and_peft_merge(tiny_models, tmp_path):
                 assert (plain - logits).abs().max() > 1e-3  # the adapter mattered
                 model.load_adapter(tmp_path / "adapter")
                 torch.testing.assert_close(model(IDS, attention_mask=MASK).logits, logits, atol=1e-6, rtol=0)
+
+            # a soft prompt in generate, and both adapters through the CLI's generation loop (infer --adapter)
+            prompt = Adapter(model.config, TuningConfig("prompt", prompt_tokens=3), model.get_input_embeddings())
+            randomize(prompt, scale=0.5)
+            for adapter in (model.adapter, prompt):
+                model.set_adapter(adapter)
+                with torch.no_grad():
+                    ours = model.generate(IDS[:1], max_new_tokens=8, do_sample=False)[0, IDS.shape[1]:].tolist()
+                    assert ours == _reference_greedy(LocalReference(source, adapter), IDS[:1], 8)
+                assert peers_loop.run(_cli_generation(source, maddrs, adapter, IDS[0].tolist(), 8)) == ours
         finally:
             model.close()
+
+
+def _reference_greedy(reference: LocalReference, ids: torch.Tensor, tokens: int) -> list[int]:
+    if reference.prompt is None:
+        return reference.model.generate(input_ids=ids, max_new_tokens=tokens, do_sample=False)[0, ids.shape[1]:].tolist()
+    embeds = torch.cat([reference.prompt[None], reference.model.get_input_embeddings()(ids)], dim=1)
+    return reference.model.generate(inputs_embeds=embeds, max_new_tokens=tokens, do_sample=False)[0].tolist()
+
+
+async def _cli_generation(source, maddrs, adapter, ids: list[int], tokens: int) -> list[int]:
+    client = await join_swarm(maddrs, client_mode=True)
+    try:
+        model = RemoteCausalLM(source, client)
+        model.adapter = adapter
+        return (await model.generate(ids, tokens, stop_at_eos=False, decode=False)).token_ids
+    finally:
+        await client.shutdown()
 
 
 def test_concurrent_clients_train_their_own_parameters(tiny_models):

@@ -29,6 +29,14 @@ class BackgroundLoop:
     def close(self) -> None:
         if self.loop.is_closed():
             return
+        self.run(_cancel_others())  # background tasks (DHT refreshes) end cleanly, not at garbage collection
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
         self.loop.close()
+
+
+async def _cancel_others() -> None:
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
