@@ -26,9 +26,12 @@ LABELS = IDS.masked_fill(MASK == 0, -100)
 RANGES = [(0, 2), (2, 3), (3, 4)]
 
 
-def _check_step(model, reference: LocalReference) -> None:
+def _check_step(model, reference: LocalReference, peers=()) -> None:
     out = model(IDS, attention_mask=MASK, labels=LABELS)
+    if peers:  # they keep each step's activations until its backward pass, and no longer
+        assert all(peer.server.graph_bytes > 0 for peer in peers)
     out.loss.backward()
+    assert all(peer.server.graph_bytes == 0 for peer in peers)
     expected = reference(IDS, attention_mask=MASK, labels=LABELS)
     expected.loss.backward()
     torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
@@ -46,14 +49,14 @@ def _check_step(model, reference: LocalReference) -> None:
 @pytest.mark.parametrize("family", ["llama", "gemma", "qwen2", "mistral"])
 def test_gradients_of_every_tuning_mode_match_local_autograd(tiny_models, family):
     source = tiny_models[family]
-    with peers_in_background(source, RANGES) as (_, maddrs, _):
+    with peers_in_background(source, RANGES) as (peers, maddrs, _):
         model = AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs)
         try:
             for mode in ("prompt", "deep_prompt", "lora"):
                 tuning = TuningConfig(mode, rank=4, prompt_tokens=3)
                 model.set_adapter(Adapter(model.config, tuning, model.get_input_embeddings()))
                 randomize(model.adapter)
-                _check_step(model, LocalReference(source, model.adapter))
+                _check_step(model, LocalReference(source, model.adapter), peers)
         finally:
             model.close()
 
@@ -125,7 +128,8 @@ async def _cli_generation(source, maddrs, adapter, ids: list[int], tokens: int) 
 
 def test_concurrent_clients_train_their_own_parameters(tiny_models):
     source = tiny_models["llama"]
-    with peers_in_background(source, RANGES) as (_, maddrs, _):
+    # no memory for keeping activations: every backward pass recomputes its forward
+    with peers_in_background(source, RANGES, training_memory=0) as (peers, maddrs, _):
         models = [
             AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs, tuning="lora", lora_rank=4)
             for _ in range(2)
@@ -155,6 +159,7 @@ def test_concurrent_clients_train_their_own_parameters(tiny_models):
             for thread in threads:
                 thread.join()
             assert not errors, errors
+            assert all(peer.server.graph_bytes == 0 for peer in peers)
         finally:
             for model in models:
                 model.close()

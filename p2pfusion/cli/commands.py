@@ -43,6 +43,7 @@ async def run_peer(args, device: str) -> None:
         address_file=args.address_file,
         max_length=args.max_length,
         compression=args.compression,
+        training_memory=args.training_memory,
     )
 
     def ready(maddrs: list[str]) -> None:

@@ -41,6 +41,16 @@ def throughput(text: str) -> str:
     return text
 
 
+def mebibytes(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number of MiB >= 0, got {text!r}")
+    return value << 20
+
+
 # One address per flag (repeatable, or comma-separated), so a trailing prompt is never taken for one.
 INITIAL_PEERS = dict(
     type=maddr_list, action="extend", metavar="MADDR", help="multiaddr of a swarm peer (repeat for more)"
@@ -97,6 +107,11 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--address-file", type=Path, help="write this peer's multiaddrs here once serving")
     peer.add_argument("--max-length", type=int, default=2048, help="longest session accepted, in tokens")
     peer.add_argument("--compression", **COMPRESSION)
+    peer.add_argument(
+        "--training-memory", type=mebibytes, default=1 << 30, metavar="MIB",
+        help="activations kept between training clients' forward and backward passes (default 1024); "
+        "beyond it, backward passes recompute their forward",
+    )
 
     infer = sub.add_parser("infer", help="private inference through the swarm")
     infer.add_argument("prompt")

@@ -216,7 +216,9 @@ class InferenceSession:
         return await self.backward_result(step, timeout)
 
     async def _send(self, writer, record: PeerRecord, message, tensor: torch.Tensor, link: LinkSpeed | None) -> None:
-        choice = choose_codec(link, tensor.numel() * 4, self.purpose, self.compression)
+        # in training, a transfer's budget is the slowest hop's compute time on the last step
+        budget = max((s for _, s in self.timings), default=None) if self.purpose == Purpose.TRAINING else None
+        choice = choose_codec(link, tensor.numel() * 4, self.purpose, self.compression, budget)
         try:
             await write_frame(writer, m.to_header(message), pack(tensor, choice.codec, choice.k))
         except (ConnectionError, RuntimeError) as exc:

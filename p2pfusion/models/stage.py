@@ -69,6 +69,15 @@ class _Passthrough(nn.Module):
 
 
 @dataclass
+class Graph:
+    """A training forward's output with its autograd graph, until its backward pass."""
+
+    output: torch.Tensor
+    leaves: list[torch.Tensor]  # the input, then the adapter's parameters
+    nbytes: int  # activations it holds
+
+
+@dataclass
 class Stage:
     """Layers [start, end) of a model, ready to run with a KV cache."""
 
@@ -110,24 +119,35 @@ class Stage:
         [batch, tokens] default to the sequence positions; `adapter` is the session's own."""
         return self._run(hidden, offset, cache, attention_mask, position_ids, adapter).cpu()
 
-    def backward(
+    def forward_for_backward(
         self,
         hidden: torch.Tensor,
-        grad_output: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         adapter: StageAdapter | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The gradients of a full-sequence forward's input and of the adapter's parameters, given
-        its output's gradient. The forward is computed again rather than kept from the first pass,
-        so a peer holds only the inputs."""
-        with torch.enable_grad():
+    ) -> Graph:
+        """A full-sequence forward that keeps its autograd graph, and how many bytes of activations
+        the graph holds (the weights it refers to are not counted: they exist anyway)."""
+        weights = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        held = 0
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal held
+            if tensor.untyped_storage().data_ptr() not in weights:
+                held += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             inputs = hidden.detach().to(self.device).requires_grad_(True)
             leaves = [] if adapter is None else [t.detach().to(self.device).requires_grad_(True) for t in adapter.tensors]
             trained = None if adapter is None else adapter.with_tensors(leaves)
             out = self._run(inputs, 0, None, attention_mask, position_ids, trained)
-            grads = torch.autograd.grad(out, [inputs, *leaves], grad_output.to(self.device), allow_unused=True)
-        params = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(leaves, grads[1:])]
+        return Graph(out, [inputs, *leaves], held)
+
+    def backward(self, graph: Graph, grad_output: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The gradients of a forward's input and of the adapter's parameters, given its output's."""
+        grads = torch.autograd.grad(graph.output, graph.leaves, grad_output.to(self.device), allow_unused=True)
+        params = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(graph.leaves[1:], grads[1:])]
         return grads[0].cpu(), [g.cpu() for g in params]
 
     def parameter_bytes(self) -> int:

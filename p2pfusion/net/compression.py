@@ -2,7 +2,8 @@
 
 Each candidate's cost is its encode+decode time plus its compressed bytes over the link's
 bandwidth. A lossy codec must save at least MIN_GAIN of the raw tensor's time, and MIN_SAVING
-seconds, to be worth its error: on a fast link, or for a tensor too small to matter, the raw
+seconds, to be worth its error (and in training, MIN_STEP_SHARE of the step's compute time: less
+cannot speed the step up noticeably); on a fast link, or for a tensor too small to matter, the raw
 tensor goes; on a slow link, the cheapest codec. Inference takes only codecs that keep greedy tokens unchanged (see
 docs/benchmarks.md for the measured agreement); training may also take top-k, sized so the
 transfer fits a time budget (FusionLLM's AdaTopK), and only on links too slow for that budget.
@@ -23,6 +24,7 @@ CODEC_SPEED = {Codec.NONE: math.inf, Codec.FLOAT16: 1.6e9, Codec.BFLOAT16: 1.6e9
 CODEC_CALL = 5e-5  # seconds a lossy codec costs per tensor, whatever its size (measured: 12-50 us)
 MIN_GAIN = 0.2
 MIN_SAVING = 5e-4
+MIN_STEP_SHARE = 0.05  # training: a lossy codec must also save this share of the step's compute time
 WIRE_RATIO = {Codec.NONE: 1.0, Codec.FLOAT16: 2.0, Codec.BFLOAT16: 2.0, Codec.INT8: 4 / (1 + 4 / 64)}
 # Codecs that left the default model's greedy tokens unchanged (docs/benchmarks.md, token agreement).
 GREEDY_SAFE = (Codec.NONE, Codec.FLOAT16)
@@ -90,7 +92,7 @@ def choose_codec(
     raw = transfer_seconds(Codec.NONE, payload_bytes, link)
     best = min(candidates, key=lambda c: transfer_seconds(c, payload_bytes, link))
     saving = raw - transfer_seconds(best, payload_bytes, link)
-    if saving < MIN_GAIN * raw or saving < MIN_SAVING:
+    if saving < MIN_GAIN * raw or saving < MIN_SAVING or (budget is not None and saving < MIN_STEP_SHARE * budget):
         best = Codec.NONE
     if purpose == Purpose.TRAINING and budget is not None and transfer_seconds(best, payload_bytes, link) > budget:
         k = topk_entries(payload_bytes, link, budget)

@@ -49,6 +49,7 @@ class PeerOptions:
     address_file: Path | None = None
     max_length: int = 2048
     compression: str = AUTO
+    training_memory: int = 1 << 30  # bytes of activations kept for training clients' backward passes
     refresh_period: float = 10.0
     watch_period: float = 2.0
     rebalance_period: float = 120.0
@@ -132,7 +133,7 @@ class Peer:
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
             stage, self.swarm.transport, self.links, self.options.max_length, self.options.compression,
-            bench.decode_threads,
+            bench.decode_threads, self.options.training_memory,
         )
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)

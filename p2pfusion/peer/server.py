@@ -41,6 +41,7 @@ class StageServer:
         max_length: int = 2048,
         compression: str = AUTO,
         decode_threads: int | None = None,
+        training_memory: int = 1 << 30,
     ):
         self.stage = stage
         self.transport = transport
@@ -57,6 +58,10 @@ class StageServer:
         self._all_threads = torch.get_num_threads()
         self._decode_threads = decode_threads or self._all_threads
         self.draining = False
+        # activations kept between training steps' forward and backward passes, across sessions;
+        # beyond this, a backward pass computes its forward again instead
+        self.training_memory = training_memory
+        self.graph_bytes = 0
 
     async def start(self) -> None:
         await self.transport.add_handler(m.PROTOCOL, self._handle)
@@ -144,6 +149,8 @@ class StageServer:
             await self._run_steps(session, reader, writer)
         finally:
             self.sessions.pop(msg.session_id, None)
+            for inputs in session.saved.values():
+                self._release_graph(inputs)
             if session.relay is not None:
                 session.relay.cancel()
             if session.downstream is not None:
@@ -200,6 +207,7 @@ class StageServer:
                 await write_frame(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
                 continue
             if session.training:
+                self._keep_graph(inputs)
                 session.saved[message.step] = inputs
             else:
                 session.length += inputs.hidden.shape[1]
@@ -236,15 +244,31 @@ class StageServer:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
+    def _keep_graph(self, inputs: StepInputs) -> None:
+        if inputs.graph is not None and self.graph_bytes + inputs.graph.nbytes > self.training_memory:
+            inputs.graph = None  # its memory goes now; the backward pass will recompute
+        self.graph_bytes += 0 if inputs.graph is None else inputs.graph.nbytes
+
+    def _release_graph(self, inputs: StepInputs) -> None:
+        if inputs.graph is not None:
+            self.graph_bytes -= inputs.graph.nbytes
+            inputs.graph = None
+
     def _forward(self, session: Session, inputs: StepInputs) -> torch.Tensor:
         self._threads_for(inputs.hidden)
-        return session.stage.forward(
-            inputs.hidden, session.length, session.cache, inputs.mask, inputs.positions, session.adapter
-        )
+        stage = session.stage
+        if not session.training:
+            return stage.forward(inputs.hidden, session.length, session.cache, inputs.mask, inputs.positions, session.adapter)
+        if inputs.hidden.numel() * inputs.hidden.element_size() * 8 > self.training_memory:
+            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, session.adapter)  # too big to keep
+        inputs.graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, session.adapter)
+        return inputs.graph.output.detach().cpu()
 
     def _backward(self, session: Session, inputs: StepInputs, grad: torch.Tensor):
         self._threads_for(inputs.hidden)
-        return session.stage.backward(inputs.hidden, grad, inputs.mask, inputs.positions, session.adapter)
+        stage = session.stage
+        graph = inputs.graph or stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, session.adapter)
+        return stage.backward(graph, grad)
 
     async def _on_backward(self, session_id: str, message: m.Backward, grad: torch.Tensor | None, reply) -> None:
         """Compute a step's input gradient and send it upstream; a bad one answers with an Error."""
@@ -254,7 +278,10 @@ class StageServer:
             return
         try:
             inputs, grad = session.take_saved(message.step, grad)
-            (grad_in, param_grads), seconds = await self._run(self._backward, session, inputs, grad)
+            try:
+                (grad_in, param_grads), seconds = await self._run(self._backward, session, inputs, grad)
+            finally:
+                self._release_graph(inputs)
         except RequestError as exc:
             await _send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return

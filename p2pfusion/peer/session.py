@@ -2,7 +2,8 @@
 
 An inference session keeps a KV cache and grows step by step. A training session keeps no cache:
 each step is a full forward, whose input is kept until its `Backward` comes (at most MAX_SAVED
-steps at once, so a client cannot fill the peer's memory). Either kind may carry an adapter (the
+steps at once, so a client cannot fill the peer's memory), with its autograd graph when the peer's
+training memory allows (otherwise the backward pass computes the forward again). Either kind may carry an adapter (the
 client's own parameters for these layers), which lives and dies with the session.
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from p2pfusion.errors import RequestError
 from p2pfusion.models.adapters import StageAdapter, layer_of, stage_adapter
-from p2pfusion.models.stage import Stage
+from p2pfusion.models.stage import Graph, Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import Codec, ErrorFeedback, Packed, pack
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
@@ -27,6 +28,7 @@ class StepInputs:
     hidden: torch.Tensor
     mask: torch.Tensor | None
     positions: torch.Tensor | None
+    graph: Graph | None = None  # training: the forward's autograd graph, when memory allowed keeping it
 
 
 @dataclass
@@ -48,6 +50,10 @@ class Session:
     adapter: StageAdapter | None = None
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
+
+    @property
+    def graph_bytes(self) -> int:
+        return sum(saved.graph.nbytes for saved in self.saved.values() if saved.graph is not None)
 
     @property
     def training(self) -> bool:
