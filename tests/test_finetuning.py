@@ -12,6 +12,7 @@ from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.adapters import Adapter, TuningConfig
 from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.training import split_batch
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from transformers import LlamaConfig
@@ -165,6 +166,30 @@ def test_concurrent_clients_train_their_own_parameters(tiny_models):
                 model.close()
 
 
+def test_a_large_batch_goes_in_chunks_with_the_same_gradients(tiny_models):
+    """130 sequences of 128 tokens exceed one step's 8192 tokens: they go as 3 chunks, whose
+    gradients add up to the whole batch's."""
+    source = tiny_models["llama"]
+    ids = torch.randint(0, 256, (130, 128), generator=torch.Generator().manual_seed(3))
+    with peers_in_background(source, RANGES) as (_, maddrs, _):
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs, tuning="lora", lora_rank=2)
+        try:
+            randomize(model.adapter)
+            reference = LocalReference(source, model.adapter)
+            embeds = model.get_input_embeddings()(ids)
+            out = model(inputs_embeds=embeds, labels=ids)  # inputs_embeds work as input_ids do
+            out.loss.backward()
+            assert len(split_batch(embeds, None, ids)) == 3  # the case this test is about
+            expected = reference(ids, labels=ids)
+            expected.loss.backward()
+            torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
+            ours, theirs = distributed_grads(model), reference.grads()
+            for name in ours:
+                torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=0, msg=name)
+        finally:
+            model.close()
+
+
 def test_bad_input_gets_clear_errors(tiny_models, tmp_path):
     with pytest.raises(RequestError, match="unknown tuning mode 'ia3'"):
         AutoDistributedModelForCausalLM.from_pretrained(None, initial_peers=["/ip4/127.0.0.1/tcp/1"], tuning="ia3")
@@ -183,6 +208,8 @@ def test_bad_input_gets_clear_errors(tiny_models, tmp_path):
                 model.load_adapter(tmp_path / "deeper")
             with pytest.raises(ModelError, match="cannot read the adapter"):
                 model.load_adapter(tmp_path / "missing")
+            with pytest.raises(RequestError, match="token ids in 0..255"):
+                model(IDS + 250)
             with pytest.raises(RequestError, match="labels must have the inputs' shape"):
                 model(IDS, labels=IDS[:, :-1])
             with pytest.raises(RequestError, match="larger than the peers accept"):

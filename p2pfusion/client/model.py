@@ -90,6 +90,12 @@ class RemoteDecoder(nn.Module):
             raise RequestError("pass exactly one of input_ids and inputs_embeds")
         if past_key_values is not None and not isinstance(past_key_values, RemoteCache):
             raise RequestError("past_key_values must be a RemoteCache: the peers hold the KV caches")
+        if input_ids is not None:
+            vocab = self.embed_tokens.num_embeddings
+            if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+                raise RequestError(f"input_ids must be integers of shape [batch, tokens], got {input_ids.dtype} {list(input_ids.shape)}")
+            if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab):
+                raise RequestError(f"input_ids must be token ids in 0..{vocab - 1}")
         embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if embeds.dim() != 3 or embeds.shape[-1] != self.config.hidden_size:
             raise RequestError(f"inputs_embeds must be [batch, tokens, {self.config.hidden_size}], got {list(embeds.shape)}")
