@@ -91,3 +91,13 @@ def distributed_grads(model) -> dict[str, torch.Tensor]:
     if adapter.soft_prompt is not None:
         grads["soft_prompt"] = adapter.soft_prompt.grad
     return grads
+
+
+def assert_same_step(model, out, reference: LocalReference, expected) -> None:
+    """The distributed model's loss and gradients are local autograd's (after both backward passes)."""
+    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
+    ours, theirs = distributed_grads(model), reference.grads()
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert theirs[name].abs().max() > 0, name
+        torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=0, msg=name)

@@ -18,7 +18,7 @@ from p2pfusion.errors import ModelError, RequestError
 from transformers import LlamaConfig
 
 from tests.conftest import COMMON, reference_model
-from tests.finetune_refs import LocalReference, distributed_grads, randomize
+from tests.finetune_refs import LocalReference, assert_same_step, distributed_grads, randomize
 from tests.swarm import peers_in_background
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1, 8, 30], [0, 0, 0, 6, 5, 4, 3, 2, 77, 12]])
@@ -35,16 +35,11 @@ def _check_step(model, reference: LocalReference, peers=()) -> None:
     assert all(peer.server.graph_bytes == 0 for peer in peers)
     expected = reference(IDS, attention_mask=MASK, labels=LABELS)
     expected.loss.backward()
-    torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
     torch.testing.assert_close(out.logits, expected.logits, atol=1e-5, rtol=0)
-    ours, theirs = distributed_grads(model), reference.grads()
-    assert ours.keys() == theirs.keys()
+    assert_same_step(model, out, reference, expected)
     if model.adapter.tuning.mode != "prompt":  # parameters on every remote layer (deep prompts: from layer 1)
-        layers = {int(name.split(".")[1]) for name in ours if name.startswith("layers.")}
+        layers = {int(name.split(".")[1]) for name in distributed_grads(model) if name.startswith("layers.")}
         assert layers == set(range(model.adapter.tuning.mode == "deep_prompt", model.config.num_hidden_layers))
-    for name in ours:
-        assert theirs[name].abs().max() > 0, name
-        torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=0, msg=name)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma", "qwen2", "mistral"])
@@ -182,10 +177,7 @@ def test_a_large_batch_goes_in_chunks_with_the_same_gradients(tiny_models):
             assert len(split_batch(embeds, None, ids)) == 3  # the case this test is about
             expected = reference(ids, labels=ids)
             expected.loss.backward()
-            torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
-            ours, theirs = distributed_grads(model), reference.grads()
-            for name in ours:
-                torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=0, msg=name)
+            assert_same_step(model, out, reference, expected)
         finally:
             model.close()
 
@@ -245,9 +237,6 @@ def test_a_peer_dying_mid_step_costs_a_retry_not_the_result(tiny_models):
             assert model.model.client.training.recoveries >= 1
             expected = reference(IDS, attention_mask=MASK, labels=LABELS)
             expected.loss.backward()
-            torch.testing.assert_close(out.loss, expected.loss, atol=1e-5, rtol=0)
-            ours, theirs = distributed_grads(model), reference.grads()
-            for name in ours:
-                torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=0, msg=name)
+            assert_same_step(model, out, reference, expected)
         finally:
             model.close()
