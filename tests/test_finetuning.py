@@ -161,6 +161,28 @@ def test_concurrent_clients_train_their_own_parameters(tiny_models):
                 model.close()
 
 
+def test_a_backward_pass_uses_the_parameters_of_its_forward(tiny_models):
+    """A forward, new parameter values (sent for the next forward), then the first forward's
+    backward: peers that recompute it do so with the values it ran with."""
+    source = tiny_models["llama"]
+    with peers_in_background(source, RANGES, training_memory=0) as (_, maddrs, _):
+        model = AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs, tuning="lora", lora_rank=2)
+        try:
+            randomize(model.adapter)
+            reference = LocalReference(source, model.adapter)
+            out = model(IDS, attention_mask=MASK, labels=LABELS)
+            with torch.no_grad():
+                for p in model.adapter.parameters():
+                    p.mul_(2.0)
+            model(IDS[:1], labels=IDS[:1])  # a training forward: the session gets the new values
+            out.loss.backward()
+            expected = reference(IDS, attention_mask=MASK, labels=LABELS)
+            expected.loss.backward()
+            assert_same_step(model, out, reference, expected)
+        finally:
+            model.close()
+
+
 def test_a_large_batch_goes_in_chunks_with_the_same_gradients(tiny_models):
     """130 sequences of 128 tokens exceed one step's 8192 tokens: they go as 3 chunks, whose
     gradients add up to the whole batch's."""

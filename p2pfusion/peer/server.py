@@ -258,16 +258,16 @@ class StageServer:
         self._threads_for(inputs.hidden)
         stage = session.stage
         if not session.training:
-            return stage.forward(inputs.hidden, session.length, session.cache, inputs.mask, inputs.positions, session.adapter)
+            return stage.forward(inputs.hidden, session.length, session.cache, inputs.mask, inputs.positions, inputs.adapter)
         if inputs.hidden.numel() * inputs.hidden.element_size() * 8 > self.training_memory:
-            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, session.adapter)  # too big to keep
-        inputs.graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, session.adapter)
+            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, inputs.adapter)  # too big to keep
+        inputs.graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.adapter)
         return inputs.graph.output.detach().cpu()
 
     def _backward(self, session: Session, inputs: StepInputs, grad: torch.Tensor):
         self._threads_for(inputs.hidden)
         stage = session.stage
-        graph = inputs.graph or stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, session.adapter)
+        graph = inputs.graph or stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.adapter)
         return stage.backward(graph, grad)
 
     async def _on_backward(self, session_id: str, message: m.Backward, grad: torch.Tensor | None, reply) -> None:
@@ -286,7 +286,7 @@ class StageServer:
             await _send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return
         if param_grads:  # before the input's gradient, so the client has them all when that comes
-            entries = [(name, list(g.shape)) for name, g in zip(session.adapter.names, param_grads)]
+            entries = [(name, list(g.shape)) for name, g in zip(inputs.adapter.names, param_grads)]
             header = m.to_header(m.ParamGrads(message.step, entries))
             await write_frame(session.upstream, header, pack(flatten(param_grads)))
         timings = [*message.timings, (self.peer_id, seconds)]

@@ -28,6 +28,7 @@ class StepInputs:
     hidden: torch.Tensor
     mask: torch.Tensor | None
     positions: torch.Tensor | None
+    adapter: StageAdapter | None = None  # the parameters this step ran with: a backward pass uses them too
     graph: Graph | None = None  # training: the forward's autograd graph, when memory allowed keeping it
 
 
@@ -84,7 +85,7 @@ class Session:
             raise RequestError("hidden states contain NaN or infinity")
         mask = None if message.mask is None else mask_from_wire(message.mask, batch, offset + tokens)
         positions = None if message.positions is None else positions_from_wire(message.positions, batch, tokens)
-        return StepInputs(tensor, mask, positions)
+        return StepInputs(tensor, mask, positions, self.adapter)
 
     def set_adapter(self, message: m.Adapter, flat: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Keep the entries for this stage's layers; return the others, for the hops after us."""
