@@ -89,8 +89,9 @@ class Adapter(nn.Module):
                 self.remote[_key(f"layers.{layer}.prompt")] = nn.Parameter(torch.zeros(tuning.prompt_tokens, hidden))
         if tuning.mode == LORA:
             projections = layer_projections(config)
+            paths = resolve_targets(projections, tuning.targets)
             for layer in range(self.num_layers):
-                for path in resolve_targets(config, tuning.targets):
+                for path in paths:
                     fan_in, fan_out = projections[path]
                     lora_a = torch.empty(tuning.rank, fan_in)
                     nn.init.kaiming_uniform_(lora_a, a=math.sqrt(5))  # as PEFT: B starts at 0, so LoRA starts as a no-op

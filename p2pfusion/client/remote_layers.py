@@ -97,7 +97,7 @@ class RemoteLayers(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         client: SwarmClient = ctx.client
-        grad_input, grads = client.run(client.training.backward(ctx.chunks, grad.contiguous().to(ctx.chunks[0].hidden.dtype)))
+        grad_input, grads = client.run(client.training.backward(ctx.chunks, grad.contiguous().to(ctx.dtype)))
         missing = [name for name in ctx.names if name not in grads]
         if missing:
             raise RequestError(f"the swarm returned no gradient for {missing[0]}")

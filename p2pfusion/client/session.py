@@ -157,7 +157,7 @@ class InferenceSession:
                 f"session would reach {offset + hidden.shape[1]} tokens, past its max length {self.max_length}"
             )
         t0 = time.perf_counter()
-        # a training step is one whole sequence: its backward recomputes it in one piece
+        # a training step is one whole sequence: its backward pass takes it in one piece
         sizes = [hidden.shape[1]] if training else chunk_sizes(hidden.shape[1], len(self.route))
         steps, end = [], offset
         for piece in hidden.split(sizes, dim=1):  # all sent at once: the hops overlap on them

@@ -50,9 +50,9 @@ def layer_projections(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
     }
 
 
-def resolve_targets(config: PretrainedConfig, targets: list[str] | tuple[str, ...]) -> list[str]:
-    """LoRA targets given as PEFT does (a projection's last name, e.g. "q_proj") -> paths in a layer."""
-    projections = layer_projections(config)
+def resolve_targets(projections: dict[str, tuple[int, int]], targets: list[str] | tuple[str, ...]) -> list[str]:
+    """LoRA targets given as PEFT does (a projection's last name, e.g. "q_proj") -> paths in a layer
+    (`projections`: what layer_projections gives)."""
     paths = []
     for target in targets:
         found = [path for path in projections if path == target or path.endswith("." + target)]

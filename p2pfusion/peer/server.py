@@ -259,8 +259,8 @@ class StageServer:
         stage = session.stage
         if not session.training:
             return stage.forward(inputs.hidden, session.length, session.cache, inputs.mask, inputs.positions, inputs.adapter)
-        if inputs.hidden.numel() * inputs.hidden.element_size() * 8 > self.training_memory:
-            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, inputs.adapter)  # too big to keep
+        if self.graph_bytes >= self.training_memory:  # no room for a graph: the backward pass recomputes
+            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, inputs.adapter)
         inputs.graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.adapter)
         return inputs.graph.output.detach().cpu()
 

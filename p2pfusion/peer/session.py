@@ -3,8 +3,9 @@
 An inference session keeps a KV cache and grows step by step. A training session keeps no cache:
 each step is a full forward, whose input is kept until its `Backward` comes (at most MAX_SAVED
 steps at once, so a client cannot fill the peer's memory), with its autograd graph when the peer's
-training memory allows (otherwise the backward pass computes the forward again). Either kind may carry an adapter (the
-client's own parameters for these layers), which lives and dies with the session.
+training memory allows (otherwise the backward pass computes the forward again). Either kind may
+carry an adapter (the client's own parameters for these layers), which lives and dies with the
+session.
 """
 
 from __future__ import annotations
@@ -51,10 +52,6 @@ class Session:
     adapter: StageAdapter | None = None
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
-
-    @property
-    def graph_bytes(self) -> int:
-        return sum(saved.graph.nbytes for saved in self.saved.values() if saved.graph is not None)
 
     @property
     def training(self) -> bool:
