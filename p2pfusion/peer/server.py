@@ -180,7 +180,7 @@ class StageServer:
         except Exception as exc:
             raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
         m.raise_for_error(m.from_header(header))
-        session.downstream = writer
+        session.downstream, session.next_peer = writer, nxt.peer_id
         session.relay = asyncio.create_task(self._relay(session, reader, nxt.peer_id))
 
     async def _run_steps(self, session: Session, reader, writer) -> None:
@@ -215,7 +215,7 @@ class StageServer:
             timings = [*message.timings, (self.peer_id, seconds)]
             if session.downstream is not None:
                 onward = m.to_header(dataclasses.replace(message, timings=timings))
-                await write_frame(session.downstream, onward, session.pack(out))
+                await self._send_onward(session, onward, session.pack(out))
             else:
                 await write_frame(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
 
@@ -229,7 +229,16 @@ class StageServer:
             raise RequestError(f"adapter parameter {next(iter(rest))} is for a layer past the end of this route")
         entries = [(name, list(value.shape)) for name, value in rest.items()]
         onward = m.Adapter(message.digest, message.scaling, entries)
-        await write_frame(session.downstream, m.to_header(onward), pack(flatten(list(rest.values()))))
+        await self._send_onward(session, m.to_header(onward), pack(flatten(list(rest.values()))))
+
+    @staticmethod
+    async def _send_onward(session: Session, header: dict, payload) -> None:
+        """A write to a next hop that died names that hop, so the client routes around it rather than
+        giving up on the session."""
+        try:
+            await write_frame(session.downstream, header, payload)
+        except (ConnectionError, RuntimeError) as exc:  # RuntimeError: uvloop's write on a closed transport
+            raise PeerFailed(f"the next hop {session.next_peer} closed the session: {exc}", session.next_peer) from exc
 
     async def _run(self, fn, session: Session, *tensors: torch.Tensor) -> tuple[torch.Tensor, float]:
         t0 = time.perf_counter()

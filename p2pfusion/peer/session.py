@@ -46,6 +46,7 @@ class Session:
     cache: object | None = None
     length: int = 0
     downstream: asyncio.StreamWriter | None = None
+    next_peer: str | None = None
     sink: asyncio.StreamWriter | None = None
     relay: asyncio.Task | None = field(default=None, repr=False)
     saved: dict[int, StepInputs] = field(default_factory=dict)  # training: step -> its inputs
