@@ -1,6 +1,8 @@
 #!/usr/bin/env python
 """Local transformers vs. a local 3-peer swarm, in one run, with their ratios:
-1. greedy decoding of --tokens new tokens (prefill excluded on both sides);
+1. greedy decoding of --tokens new tokens (prefill excluded on both sides), by our client as it is
+   and by our client with a plain float32 LM head (as transformers computes it: what is left is
+   the swarm's own overhead);
 2. a batch forward of 4 sequences of 128 tokens, to logits.
 
 Both sides use the same model, inputs, dtype (fp32) and CPU threads. The swarm's peers are real
@@ -64,18 +66,22 @@ async def swarm_batch_seconds(model: RemoteCausalLM, batch: torch.Tensor) -> flo
 
 async def swarm_runs(source, maddrs, local, ids, batch, args) -> dict[str, list[float]]:
     swarm = await join_swarm(maddrs, client_mode=True)
-    results = {"local_tps": [], "swarm_tps": [], "local_batch": [], "swarm_batch": []}
+    results = {"local_tps": [], "swarm_tps": [], "plain_tps": [], "local_batch": [], "swarm_batch": []}
     try:
         model = RemoteCausalLM(source, swarm)
-        await model.generate(ids, 2, stop_at_eos=False)  # warm-up: connections, links, caches
+        plain = RemoteCausalLM(source, swarm, screen_head=False)
+        for warm in (model, plain):  # connections, links, caches
+            await warm.generate(ids, 2, stop_at_eos=False)
         await swarm_batch_seconds(model, batch)
         for run in range(args.runs):
             results["local_tps"].append(local_decode_speed(local, ids, args.tokens))
             results["swarm_tps"].append(await swarm_decode_speed(model, ids, args.tokens))
+            results["plain_tps"].append(await swarm_decode_speed(plain, ids, args.tokens))
             results["local_batch"].append(local_batch_seconds(local, batch))
             results["swarm_batch"].append(await swarm_batch_seconds(model, batch))
-            print(f"run {run}: decode local {results['local_tps'][-1]:.1f} tok/s, swarm {results['swarm_tps'][-1]:.1f} tok/s; "
-                  f"batch local {results['local_batch'][-1]:.2f} s, swarm {results['swarm_batch'][-1]:.2f} s", file=sys.stderr)
+            print(f"run {run}: decode local {results['local_tps'][-1]:.1f} tok/s, swarm {results['swarm_tps'][-1]:.1f} "
+                  f"(plain head {results['plain_tps'][-1]:.1f}) tok/s; batch local {results['local_batch'][-1]:.2f} s, "
+                  f"swarm {results['swarm_batch'][-1]:.2f} s", file=sys.stderr)
         return results
     finally:
         await swarm.shutdown()
@@ -100,11 +106,14 @@ def main() -> None:
         r = uvloop.run(swarm_runs(source, swarm.maddrs, local, ids, batch, args))
 
     decode = [s / loc for s, loc in zip(r["swarm_tps"], r["local_tps"])]
+    plain = [s / loc for s, loc in zip(r["plain_tps"], r["local_tps"])]
     forward = [loc / s for s, loc in zip(r["swarm_batch"], r["local_batch"])]
     med = statistics.median
     print(f"greedy decode, {args.tokens} tokens: local {med(r['local_tps']):.1f} tok/s, "
           f"{args.peers}-peer swarm {med(r['swarm_tps']):.1f} tok/s, ratio {med(decode):.2f} "
           f"(runs: {', '.join(f'{x:.2f}' for x in decode)})")
+    print(f"  with a plain float32 head: {med(r['plain_tps']):.1f} tok/s, ratio {med(plain):.2f} "
+          f"(runs: {', '.join(f'{x:.2f}' for x in plain)})")
     print(f"batch forward 4x128:     local {med(r['local_batch']):.2f} s, "
           f"{args.peers}-peer swarm {med(r['swarm_batch']):.2f} s, ratio {med(forward):.2f} "
           f"(runs: {', '.join(f'{x:.2f}' for x in forward)})")

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.head import ScreenedHead, screened_head
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.routing import find_route
 from p2pfusion.client.session import InferenceSession
@@ -43,7 +44,12 @@ class RemoteCausalLM:
     """A causal LM whose decoder layers run in the swarm."""
 
     def __init__(
-        self, source: ModelSource, swarm: SwarmNode | None = None, dtype: torch.dtype = torch.float32, compression: str = AUTO
+        self,
+        source: ModelSource,
+        swarm: SwarmNode | None = None,
+        dtype: torch.dtype = torch.float32,
+        compression: str = AUTO,
+        screen_head: bool = True,
     ):
         self.source = source
         self.swarm = swarm
@@ -55,6 +61,8 @@ class RemoteCausalLM:
         self.adapter: Adapter | None = None  # trained parameters to generate with
         self._tokenizer = None
         self._links: LinkBook | None = None
+        # greedy tokens through a float16 screen of the head (client/head.py); False: not built yet
+        self._screen: ScreenedHead | None | bool = False if screen_head else None
 
     @property
     def tokenizer(self):
@@ -141,6 +149,20 @@ class RemoteCausalLM:
         return self.head(inputs_embeds=hidden).logits
 
     @torch.inference_mode()
+    def next_token(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+        """The token after the last position of `hidden` [1, tokens, hidden]; greedy choices go
+        through the float16 screen (client/head.py), which gives the float32 head's own token."""
+        if temperature <= 0:
+            if self._screen is False:
+                self._screen = screened_head(self.head)
+            if self._screen is not None:
+                normed = self.head.base_model(inputs_embeds=hidden[:, -1:]).last_hidden_state
+                token = self._screen.next_token(normed[0, -1])
+                if token is not None:
+                    return token
+        return choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator)
+
+    @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
         return self.head.get_input_embeddings()(torch.tensor([ids])).to(self.dtype)
 
@@ -170,7 +192,7 @@ class RemoteCausalLM:
             hidden = await session.step(embeds)
             t1 = time.perf_counter()
             while True:
-                token = choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator)
+                token = self.next_token(hidden, temperature, generator)
                 new.append(token)
                 if on_token is not None:
                     on_token(token)

@@ -55,6 +55,7 @@ class StageServer:
         self._sink_ready: dict[str, asyncio.Event] = {}
         # One compute thread: torch already uses every core per op, and steps must not interleave.
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+        self._queued = 0  # steps given to the compute thread and not yet done
         self._all_threads = torch.get_num_threads()
         self._decode_threads = decode_threads or self._all_threads
         self.draining = False
@@ -240,14 +241,29 @@ class StageServer:
         except (ConnectionError, RuntimeError) as exc:  # RuntimeError: uvloop's write on a closed transport
             raise PeerFailed(f"the next hop {session.next_peer} closed the session: {exc}", session.next_peer) from exc
 
-    async def _run(self, fn, session: Session, *tensors: torch.Tensor) -> tuple[torch.Tensor, float]:
+    async def _run(self, fn, session: Session, inputs: StepInputs, *rest) -> tuple[object, float]:
         t0 = time.perf_counter()
-        out = await asyncio.get_running_loop().run_in_executor(self._compute, fn, session, *tensors)
+        if self._runs_inline(session, inputs):
+            out = fn(session, inputs, *rest)
+        else:
+            self._queued += 1
+            try:
+                out = await asyncio.get_running_loop().run_in_executor(self._compute, fn, session, inputs, *rest)
+            finally:
+                self._queued -= 1
         session.compute_seconds = time.perf_counter() - t0
         return out, session.compute_seconds
 
+    def _runs_inline(self, session: Session, inputs: StepInputs) -> bool:
+        """A decoding step of a token or two runs on the event loop's own thread: handing it to the
+        compute thread and back wakes two threads, which cost 0.3-0.7 ms of a 12 ms step here
+        (docs/benchmarks.md). Only while the compute thread is idle, because steps must not
+        interleave: an adapter hooks the shared module for the length of its step."""
+        rows = inputs.hidden.shape[0] * inputs.hidden.shape[1]
+        return not session.training and self._queued == 0 and rows <= SMALL_STEP_ROWS
+
     def _threads_for(self, hidden: torch.Tensor) -> None:
-        """Runs on the compute thread, whose torch thread count is its own to set."""
+        """Runs just before each step; steps never overlap, so torch's process-wide setting is theirs."""
         rows = hidden.shape[0] * hidden.shape[1]
         threads = self._decode_threads if rows <= SMALL_STEP_ROWS else self._all_threads
         if torch.get_num_threads() != threads:

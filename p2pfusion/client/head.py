@@ -1,0 +1,116 @@
+"""Greedy decoding's next token, screened in float16: exactly the token of the float32 LM head, for
+about a quarter of its cost on a CPU client.
+
+On a CPU the head is a matrix-vector product over the whole vocabulary, bound by memory bandwidth:
+113 MB of float32 weights for SmolLM2-135M (7 ms per token here, a sixth of decoding), 2 GB for
+Llama-3-8B. A float16 copy halves the bytes read. Every float16 logit lies within a proven bound
+of the float32 one, so only the tokens whose bound reaches the best lower bound can be the argmax;
+their float32 logits are computed from the float32 rows, and the largest wins. When the two best
+are too close for any float32 summation order to agree on (about 2% of tokens), the caller runs the
+full float32 head, as it always did.
+
+The bound, for row w and input x of length d, with u = 2^-11 (float16 rounding), g = d 2^-24 / (1 -
+d 2^-24) (float32 summation in any order; torch's float16 matrix-vector product accumulates in
+float32 unless reduced-precision reductions are switched on):
+    |z16 - z32| <= (2u + u^2 + 2g) sum|w_i x_i| + u |z16| + 2^-24 + sqrt(d) 2^-24 (|w| + |x|),
+the last two terms for float16's subnormals, and sum|w_i x_i| <= |w| |x| (Cauchy-Schwarz), with the row
+norms computed once. A safety factor of 1.5 covers the rounding of the norms themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+U16 = 2.0 ** -11
+F32_TERM = 2.0 ** -24
+SAFETY = 1.5
+FLOAT16_SAFE = 6.0e4  # inputs beyond this would overflow float16: the full head decides
+MAX_CANDIDATES = 64  # past this the screen saves nothing
+
+
+def summation_error(d: int) -> float:
+    """The relative error bound of a float32 sum of d products, in any order."""
+    return d * F32_TERM / (1 - d * F32_TERM)
+
+
+@dataclass
+class ScreenedHead:
+    weight: torch.Tensor  # float32 [vocab, hidden]
+    half: torch.Tensor  # its float16 copy
+    norms: torch.Tensor  # float32 [vocab]: each row's L2 norm, rounded up
+
+    @classmethod
+    def of(cls, weight: torch.Tensor) -> ScreenedHead:
+        weight = weight.detach()
+        norms = (weight.double().norm(dim=1) * (1 + 1e-6)).float()
+        return cls(weight, weight.to(torch.float16), norms)
+
+    def next_token(self, x: torch.Tensor) -> int | None:
+        """argmax(weight @ x) for a float32 vector x, or None when only the full head can tell."""
+        with _one_thread():
+            return self._screen(x)
+
+    def _screen(self, x: torch.Tensor) -> int | None:
+        d = x.shape[-1]
+        x_norm = float(x.double().norm())
+        if not math.isfinite(x_norm) or float(x.abs().max()) > FLOAT16_SAFE:
+            return None
+        screened = nn.functional.linear(x.to(torch.float16), self.half).float()
+        if not torch.isfinite(screened).all():
+            return None
+        g = summation_error(d)
+        error = ((2 * U16 + U16 * U16 + 2 * g) * x_norm) * self.norms
+        error += U16 * screened.abs() + F32_TERM + (math.sqrt(d) * F32_TERM) * (self.norms + x_norm)
+        error *= SAFETY
+        best_floor = float((screened - error).max())
+        candidates = torch.nonzero(screened + error >= best_floor).flatten()
+        if candidates.numel() > MAX_CANDIDATES:
+            return None
+        if candidates.numel() == 1:
+            return int(candidates[0])
+        exact = nn.functional.linear(x, self.weight[candidates])
+        top = torch.topk(exact, 2)
+        first, second = candidates[top.indices[0]], candidates[top.indices[1]]
+        # two float32 sums of the same products differ by at most 2g sum|w_i x_i|: a closer pair
+        # might come out in the other order from the full head's own kernel
+        tie = 2 * g * x_norm * float(torch.maximum(self.norms[first], self.norms[second])) * SAFETY
+        if float(top.values[0] - top.values[1]) <= tie:
+            return None
+        return int(first)
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """The client idles while the swarm computes; after that, a second OpenMP thread took 6-10 ms
+    to start on this project's VMs (a sleeping vCPU waits for its host), against ~3 ms for the
+    whole screen on one thread (docs/benchmarks.md)."""
+    threads = torch.get_num_threads()
+    if threads != 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        if threads != 1:
+            torch.set_num_threads(threads)
+
+
+def screened_head(model: nn.Module) -> ScreenedHead | None:
+    """A screen for a causal LM whose logits are its plain linear head applied to the decoder's
+    output (not for soft-capped, scaled or biased heads), in float32 on the CPU."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, nn.Linear) or head.bias is not None:
+        return None
+    if head.weight.dtype != torch.float32 or head.weight.device.type != "cpu":
+        return None
+    probe = torch.randn(1, 1, head.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        plain = head(model.base_model(inputs_embeds=probe).last_hidden_state)
+        if not torch.equal(plain, model(inputs_embeds=probe).logits):
+            return None
+    return ScreenedHead.of(head.weight)

@@ -1,0 +1,89 @@
+"""The float16-screened greedy head gives exactly the float32 head's token, or defers to it."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from transformers import AutoModelForCausalLM, Gemma2Config
+
+from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.head import ScreenedHead, screened_head
+from tests.conftest import COMMON, reference_model
+
+
+def _full_argmax(weight: torch.Tensor, x: torch.Tensor) -> int:
+    return int(nn.functional.linear(x, weight).argmax())
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    vocab=st.integers(2, 300),
+    hidden=st.integers(1, 96),
+    near=st.integers(0, 40),  # rows made to nearly tie with the best one
+    gap=st.sampled_from([0.0, 1e-7, 1e-5, 1e-3, 1e-2, 1e-1]),
+    scale=st.sampled_from([1e-6, 1e-2, 1.0, 30.0, 1e3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_screened_token_is_the_float32_argmax_or_none(vocab, hidden, near, gap, scale, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=generator) * 0.1
+    x = torch.randn(hidden, generator=generator) * scale
+    best = int((weight @ x).argmax())
+    for row in torch.randint(0, vocab, (near,), generator=generator).tolist():
+        if row != best:  # the same row, nudged along x: its logit ends `gap` (relative) away
+            weight[row] = weight[best] * (1 - gap * torch.rand(1, generator=generator))
+    token = ScreenedHead.of(weight).next_token(x)
+    assert token is None or token == _full_argmax(weight, x)
+
+
+def test_rounding_that_reverses_the_order_in_float16_still_gives_the_float32_token():
+    """Row 0 rounds down in float16 and row 1 rounds up, on inputs weighted so that float16 ranks
+    row 1 first while float32 ranks row 0 first: the screen must keep row 0 as a candidate."""
+    half, ulp = 5, 2.0 ** -10  # float16's spacing just above 1
+    weight = torch.zeros(3, 2 * half)
+    weight[0, :half] = 1 + 0.49 * ulp
+    weight[1, half:] = 1 + 0.51 * ulp
+    weight[2] = 0.5
+    x = torch.cat([torch.ones(half), torch.full((half,), 1 - ulp / 2)])
+    screened = nn.functional.linear(x.half(), weight.half()).float()
+    assert screened[1] > screened[0] and _full_argmax(weight, x) == 0
+    assert ScreenedHead.of(weight).next_token(x) == 0
+
+
+def test_exact_ties_and_inputs_float16_cannot_hold_go_to_the_full_head():
+    weight = torch.randn(50, 16)
+    weight[7] = weight[3]
+    x = weight[3].clone()  # rows 3 and 7 share the best logit
+    screen = ScreenedHead.of(weight)
+    assert screen.next_token(x) is None
+    assert screen.next_token(torch.full((16,), 1e5)) is None
+    assert screen.next_token(torch.full((16,), float("nan"))) is None
+
+
+def test_screen_decides_almost_every_token_of_the_default_model_and_matches_transformers(default_model):
+    """At every position of sampled text (varied contexts), the client's greedy token is
+    transformers' own greedy choice, and the screen decides it on its own nearly always."""
+    local = reference_model(default_model)
+    client = RemoteCausalLM(default_model)
+    ids = torch.tensor([client.encode("Tell me about the history of tea.", chat=True)])
+    inputs = []  # what the final norm gets: the last peer's output, as the client receives it
+    hook = local.model.norm.register_forward_hook(lambda _m, args, _out: inputs.append(args[0][:, -1:]))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        local.generate(ids, max_new_tokens=60, do_sample=True)
+        hook.remove()
+        expected = [int(local.lm_head(local.model.norm(hidden))[0, -1].argmax()) for hidden in inputs]
+    assert [client.next_token(hidden, 0.0, None) for hidden in inputs] == expected
+    screen = screened_head(client.head)
+    decided = sum(screen.next_token(client.head.model.norm(hidden)[0, -1]) is not None for hidden in inputs)
+    assert decided >= 0.9 * len(inputs)
+
+
+def test_heads_that_are_not_a_plain_linear_map_are_not_screened():
+    torch.manual_seed(0)
+    capped = AutoModelForCausalLM.from_config(Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=0.5))
+    assert screened_head(capped) is None
+    biased = AutoModelForCausalLM.from_config(Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=None))
+    assert screened_head(biased) is not None
+    biased.lm_head = nn.Linear(COMMON["hidden_size"], COMMON["vocab_size"], bias=True)
+    assert screened_head(biased) is None
