@@ -1,5 +1,5 @@
 """Greedy decoding's next token, screened in float16: exactly the token of the float32 LM head, for
-about a quarter of its cost on a CPU client.
+about half its cost on a CPU client.
 
 On a CPU the head is a matrix-vector product over the whole vocabulary, bound by memory bandwidth:
 113 MB of float32 weights for SmolLM2-135M (7 ms per token here, a sixth of decoding), 2 GB for
