@@ -83,7 +83,7 @@ def test_heads_that_are_not_a_plain_linear_map_are_not_screened():
     torch.manual_seed(0)
     capped = AutoModelForCausalLM.from_config(Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=0.5))
     assert screened_head(capped) is None
-    biased = AutoModelForCausalLM.from_config(Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=None))
-    assert screened_head(biased) is not None
-    biased.lm_head = nn.Linear(COMMON["hidden_size"], COMMON["vocab_size"], bias=True)
-    assert screened_head(biased) is None
+    plain = AutoModelForCausalLM.from_config(Gemma2Config(**COMMON, head_dim=16, final_logit_softcapping=None))
+    assert screened_head(plain) is not None
+    plain.lm_head = nn.Linear(COMMON["hidden_size"], COMMON["vocab_size"], bias=True)
+    assert screened_head(plain) is None

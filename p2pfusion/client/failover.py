@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,28 +35,34 @@ MIN_STEP_TIMEOUT = 10.0
 LONG_STEP_TIMEOUT = 120.0
 
 
+@dataclass
+class SwarmAccess:
+    """What all sessions of one client share: its swarm node, the model's layer count, what it has
+    learned about peers and links, and the codec it asked for."""
+
+    swarm: SwarmNode
+    model: str
+    num_layers: int
+    health: PeerHealth
+    links: LinkBook
+    compression: str = AUTO
+
+    def session(
+        self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE
+    ) -> ResilientSession:
+        return ResilientSession(self, max_length, params, purpose)
+
+
 class ResilientSession:
     def __init__(
         self,
-        swarm: SwarmNode,
-        model: str,
-        num_layers: int,
+        access: SwarmAccess,
         max_length: int,
-        health: PeerHealth,
-        links: LinkBook,
-        compression: str = AUTO,
-        failover_timeout: float = FAILOVER_TIMEOUT,
         params: RemoteParameters | None = None,
         purpose: Purpose = Purpose.INFERENCE,
     ):
-        self.swarm = swarm
-        self.model = model
-        self.num_layers = num_layers
+        self.access = access
         self.max_length = max_length
-        self.health = health
-        self.links = links
-        self.compression = compression
-        self.failover_timeout = failover_timeout
         self.params = params  # the adapter every route of this session gets
         self.purpose = purpose
         self.session: InferenceSession | None = None
@@ -70,16 +77,17 @@ class ResilientSession:
         return self
 
     async def connect(self, recovering: bool) -> None:
-        deadline = time.monotonic() + self.failover_timeout
+        deadline = time.monotonic() + FAILOVER_TIMEOUT
         last: Exception | None = None
         while True:
             try:
-                records = await self.swarm.lookup(self.model)
+                access = self.access
+                records = await access.swarm.lookup(access.model)
                 route = find_route(
-                    records, self.num_layers, self.health.observed, self.health.banned() | self._avoid, recovering
+                    records, access.num_layers, access.health.observed, access.health.banned() | self._avoid, recovering
                 )
                 self.session = await InferenceSession(
-                    self.swarm.transport, route, self.max_length, self.compression, self.links, self.purpose
+                    access.swarm.transport, route, self.max_length, access.compression, access.links, self.purpose
                 ).open()
                 await self.update_params(self.params)
                 return
@@ -94,7 +102,7 @@ class ResilientSession:
                     log.warning("waiting for the swarm to recover: %s", exc)
                 last = exc
             if time.monotonic() > deadline:
-                raise RouteError(f"the swarm did not recover within {self.failover_timeout:.0f} s: {last}")
+                raise RouteError(f"the swarm did not recover within {FAILOVER_TIMEOUT:.0f} s: {last}")
             await asyncio.sleep(RETRY_DELAY)
 
     async def update_params(self, params: RemoteParameters | None) -> None:
@@ -107,9 +115,9 @@ class ResilientSession:
         if exc.peer_id is None:
             log.warning("%s", exc)
             return
-        ban = self.health.failed(exc.peer_id)
+        ban = self.access.health.failed(exc.peer_id)
         log.warning("%s; avoiding that peer for %.0f s", exc, ban)
-        task = asyncio.create_task(self.swarm.report_unreachable(self.model, exc.peer_id, str(exc)))
+        task = asyncio.create_task(self.access.swarm.report_unreachable(self.access.model, exc.peer_id, str(exc)))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
@@ -163,7 +171,7 @@ class ResilientSession:
         overhead = max(session.seconds - sum(s for _, s in session.timings), 0.0) / max(len(session.timings), 1)
         for peer_id, seconds in session.timings:
             if peer_id in spans:
-                self.health.observe(peer_id, spans[peer_id], seconds + overhead, tokens)
+                self.access.health.observe(peer_id, spans[peer_id], seconds + overhead, tokens)
         if tokens == 1:
             previous = self._step_seconds
             self._step_seconds = session.seconds if previous is None else 0.8 * previous + 0.2 * session.seconds
@@ -176,7 +184,7 @@ class ResilientSession:
     async def close(self) -> None:
         if self.session is not None:
             for record in self.session.route:
-                self.health.succeeded(record.peer_id)
+                self.access.health.succeeded(record.peer_id)
         await self.drop()
         if self._reports:
             await asyncio.wait(self._reports, timeout=5)

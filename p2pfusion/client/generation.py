@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from p2pfusion.client.adapters import Adapter
-from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.failover import ResilientSession, SwarmAccess
 from p2pfusion.client.head import ScreenedHead, screened_head
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.routing import find_route
@@ -60,7 +60,7 @@ class RemoteCausalLM:
         self.health = PeerHealth(observed=load_observed(source.name))
         self.adapter: Adapter | None = None  # trained parameters to generate with
         self._tokenizer = None
-        self._links: LinkBook | None = None
+        self._swarm_access: SwarmAccess | None = None
         # greedy tokens through a float16 screen of the head (client/head.py); False: not built yet
         self._screen: ScreenedHead | None | bool = False if screen_head else None
 
@@ -98,29 +98,28 @@ class RemoteCausalLM:
             ))
         return list(self.tokenizer(prompt)["input_ids"])
 
-    def _link_book(self) -> LinkBook:
+    def _access(self) -> SwarmAccess:
         if self.swarm is None:
             raise RequestError("this model is not attached to a swarm")
-        if self._links is None or self._links.transport is not self.swarm.transport:
-            self._links = LinkBook(self.swarm.transport)
-        return self._links
+        if self._swarm_access is None or self._swarm_access.swarm is not self.swarm:
+            links = LinkBook(self.swarm.transport)
+            self._swarm_access = SwarmAccess(
+                self.swarm, self.source.name, self.config.num_hidden_layers, self.health, links, self.compression
+            )
+        return self._swarm_access
 
     async def open_session(self, max_length: int) -> ResilientSession:
-        links = self._link_book()
-        session = ResilientSession(
-            self.swarm, self.source.name, self.config.num_hidden_layers, max_length, self.health, links,
-            self.compression, params=None if self.adapter is None else self.adapter.remote_parameters(),
-        )
-        return await session.open()
+        params = None if self.adapter is None else self.adapter.remote_parameters()
+        return await self._access().session(max_length, params).open()
 
     async def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward and backward pass through the swarm: the loss (as transformers computes it from
         `labels`) and its gradient with respect to the input embeddings. Peers' weights stay frozen."""
-        links = self._link_book()
+        access = self._access()
         records = await self.swarm.lookup(self.source.name)
         route = find_route(records, self.config.num_hidden_layers, self.health.observed, self.health.banned())
         session = await InferenceSession(
-            self.swarm.transport, route, input_ids.shape[1], self.compression, links, Purpose.TRAINING
+            self.swarm.transport, route, input_ids.shape[1], self.compression, access.links, Purpose.TRAINING
         ).open()
         try:
             embeds = self.head.get_input_embeddings()(input_ids).detach().to(self.dtype)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from p2pfusion.client.adapters import Adapter, RemoteParameters
-from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.failover import ResilientSession, SwarmAccess
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.training import TrainingSession, split_batch
@@ -25,23 +25,21 @@ from p2pfusion.net.links import LinkBook
 class SwarmClient:
     def __init__(self, loop: BackgroundLoop, swarm: SwarmNode, model: str, num_layers: int, max_length: int, compression: str):
         self.loop = loop
-        self.swarm = swarm
-        self.model = model
-        self.num_layers = num_layers
+        self.access = SwarmAccess(
+            swarm, model, num_layers, PeerHealth(observed=load_observed(model)), LinkBook(swarm.transport), compression
+        )
         self.max_length = max_length  # the longest sequence a session asks peers for
-        self.compression = compression
-        self.health = PeerHealth(observed=load_observed(model))
-        self.links = LinkBook(swarm.transport)
         self._training: TrainingSession | None = None
+
+    @property
+    def model(self) -> str:
+        return self.access.model
 
     def run(self, coro):
         return self.loop.run(coro)
 
     def connection(self, purpose: Purpose, params: RemoteParameters | None, max_length: int | None = None) -> ResilientSession:
-        return ResilientSession(
-            self.swarm, self.model, self.num_layers, max_length or self.max_length, self.health, self.links,
-            self.compression, params=params, purpose=purpose,
-        )
+        return self.access.session(max_length or self.max_length, params, purpose)
 
     @property
     def training(self) -> TrainingSession:
@@ -74,8 +72,8 @@ class SwarmClient:
         async def go():
             if self._training is not None:
                 await self._training.close()
-            save_observed(self.model, self.health.observed)
-            await self.swarm.shutdown()
+            save_observed(self.model, self.access.health.observed)
+            await self.access.swarm.shutdown()
 
         if not self.loop.loop.is_closed():
             self.run(go())
