@@ -49,6 +49,10 @@ class PeerRecord:
     rtt: float | None = None  # seconds, to the peers it measured
     moving_to: tuple[int, int] | None = None  # a range it is loading, to serve instead of this one
     data_addrs: list[str] = field(default_factory=list)  # host:port of its direct TLS listener
+    max_length: int = 2048  # longest session (in tokens) it accepts
+    # the peer's own clock when it entered this state and range: a client that avoided the peer
+    # takes it back once a newer record says it serves again (compared only with the same peer's)
+    since: float = 0.0
 
     @property
     def span(self) -> int:
@@ -91,12 +95,14 @@ class PeerRecord:
                 rtt=None if value.get("rtt") is None else float(value["rtt"]),
                 moving_to=None if moving is None else (int(moving[0]), int(moving[1])),
                 data_addrs=[str(a) for a in value.get("data_addrs", [])][:MAX_DATA_ADDRS],
+                max_length=int(value.get("max_length", 2048)),
+                since=float(value.get("since", 0.0)),
             )
         except (KeyError, TypeError, ValueError, IndexError):
             return None
         optional = [x for x in (record.network_rate, record.rtt) if x is not None]
-        rates = [record.compute_rate, record.load, record.batch_rate, *optional]
-        if not all(math.isfinite(x) and x >= 0 for x in rates) or record.compute_rate <= 0:
+        rates = [record.compute_rate, record.load, record.batch_rate, record.since, *optional]
+        if not all(math.isfinite(x) and x >= 0 for x in rates) or record.compute_rate <= 0 or record.max_length < 1:
             return None
         ranges = [(record.start, record.end)] + ([record.moving_to] if record.moving_to is not None else [])
         return record if all(0 <= a < b for a, b in ranges) else None

@@ -128,6 +128,7 @@ class Peer:
             start=placement.start, end=placement.end, state=PeerState.JOINING,
             compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
             batch_rate=bench.batch_rate, rtt=rtt, data_addrs=self.swarm.transport.data_addrs,
+            max_length=self.options.max_length, since=time.time(),
         )
         await self.announce()
         stage = await self.load(placement.start, placement.end)
@@ -149,7 +150,10 @@ class Peer:
 
     async def announce(self, **changes) -> None:
         """Publish this peer's record (with any changes) to the DHT, and list its model."""
-        self.record = replace(self.record, **changes)
+        old = self.record
+        self.record = replace(old, **changes)
+        if (self.record.state, self.record.start, self.record.end) != (old.state, old.start, old.end):
+            self.record = replace(self.record, since=time.time())
         await self.swarm.announce(self.record)
         await self.swarm.announce_model(self.model)
 
