@@ -2,7 +2,9 @@
 
 1. Stall: a greedy generation through a local swarm of the default model; after KILL_AT tokens the
    peer of one stage gets SIGKILL. The stall is the longest gap between two tokens minus the
-   median gap of the same run (the uninterrupted pace is the reference). Two setups:
+   median gap of the same run (the uninterrupted pace is the reference). Each run's tokens are
+   compared with transformers' own greedy generation; a run that raises or differs is a failure.
+   Two setups:
    - warm backup: peers on 0:10, 10:20, 20:30 and a `--backup` on 10:20; the 10:20 peer dies;
    - no backup: three peers placed by the balancer with room for 20 layers each (0:20, 20:30,
      0:20); the 20:30 peer dies, and one 0:20 peer must move there by itself.
@@ -13,7 +15,7 @@
    found by trying every assignment of peers to the three stages; after joins, and after rounds
    of the rebalancing cost model.
 
-Usage: python scripts/bench_churn.py [--runs 2] [--tokens 40]
+Usage: python scripts/bench_churn.py [--runs 2] [--tokens 40] [--stall-runs 20]
 """
 
 from __future__ import annotations
@@ -25,12 +27,15 @@ import statistics
 import sys
 import time
 
+import torch
 import uvloop
+from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.peer.balance import Capacity, bottleneck, choose_range, layer_throughputs
 from p2pfusion.peer.rebalance import plan_move
@@ -67,21 +72,36 @@ async def _generate(source, maddrs, tokens, victim):
             if len(stamps) == KILL_AT:
                 victim.kill()
 
-        result = await model.generate(ids, tokens, on_token=on_token, stop_at_eos=False)
+        result = await model.generate(ids, tokens, on_token=on_token)
         return stamps, result
     finally:
         await client.shutdown()
 
 
-def measure_stall(source, setup: str, tokens: int) -> float:
+def reference_tokens(source, tokens: int) -> list[int]:
+    """transformers' own greedy tokens for the prompt: what every run must produce."""
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
+    ids = RemoteCausalLM(source).encode(PROMPT, chat=True)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def measure_stall(source, setup: str, tokens: int, expected: list[int]) -> float | None:
+    """The run's stall in seconds; None when the generation failed or its tokens differ."""
     with LocalSwarm(model=None) as swarm:
         victim = _launch(swarm, setup)
-        stamps, result = uvloop.run(_generate(source, swarm.maddrs, tokens, victim))
+        try:
+            stamps, result = uvloop.run(_generate(source, swarm.maddrs, tokens, victim))
+        except P2PFusionError as exc:
+            print(f"  {setup}: FAILED: {exc}", file=sys.stderr)
+            return None
     gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]
     stall = max(gaps) - statistics.median(gaps)
+    same = result.token_ids == expected
     print(f"  {setup}: stall {stall:.2f} s (median step {statistics.median(gaps) * 1000:.0f} ms, "
-          f"recoveries {result.recoveries})", file=sys.stderr)
-    return stall
+          f"recoveries {result.recoveries}, tokens {'identical' if same else 'DIFFER'})", file=sys.stderr)
+    return stall if same else None
 
 
 async def _covered_without(maddrs, model: str, num_layers: int, dead: str) -> bool:
@@ -99,7 +119,7 @@ def measure_coverage(source, num_layers: int) -> float:
         dead = _peer_id(swarm, victim)
         t0 = time.perf_counter()
         victim.kill()
-        while not uvloop.run(_covered_without(swarm.maddrs, source.name, num_layers, dead)):
+        while not uvloop.run(_covered_without(swarm.maddrs, source.key, num_layers, dead)):
             if time.perf_counter() - t0 > 180:
                 return float("inf")
             time.sleep(0.5)
@@ -148,7 +168,8 @@ def balance_quality(seed: int, peers: int, num_layers: int = 30, stages: int = 3
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=2, help="runs of the coverage measurement")
+    parser.add_argument("--stall-runs", type=int, default=20, help="generations per setup with a peer killed")
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--skip-swarm", action="store_true", help="only the balance simulation")
     args = parser.parse_args()
@@ -163,10 +184,13 @@ def main() -> None:
     if args.skip_swarm:
         return
     source = resolve_model(None)
+    expected = reference_tokens(source, args.tokens)
     for setup in ("backup", "self-heal"):
-        stalls = [measure_stall(source, setup, args.tokens) for _ in range(args.runs)]
-        print(f"stall with {'a warm backup' if setup == 'backup' else 'no backup (a peer moves)'}: "
-              f"median {statistics.median(stalls):.2f} s; runs {', '.join(f'{s:.2f}' for s in stalls)}")
+        runs = [measure_stall(source, setup, args.tokens, expected) for _ in range(args.stall_runs)]
+        stalls = sorted(s for s in runs if s is not None)
+        name = "a warm backup" if setup == "backup" else "no backup (a peer moves)"
+        summary = f"p50 {statistics.median(stalls):.2f} s, max {stalls[-1]:.2f} s" if stalls else "no run completed"
+        print(f"stall with {name}: {len(stalls)} of {len(runs)} generations complete and token-identical; {summary}")
     coverage = [measure_coverage(source, 30) for _ in range(args.runs)]
     print(f"full coverage after an unreported kill -9, no backup: median {statistics.median(coverage):.1f} s; "
           f"runs {', '.join(f'{c:.1f}' for c in coverage)}")

@@ -19,83 +19,32 @@ Usage: python scripts/bench_slow_links.py [--rates 10,100] [--tokens 32] [--runs
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import uvloop
 
+from p2pfusion.cli.hosts import HostNetwork, namespaces_unavailable
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 
 PEERS = 3
-BRIDGE = "p2pfbr0"
 SUBNET = "10.77.0"
+GATEWAY = f"{SUBNET}.1"  # the client's address on the peers' bridge
 INFERENCE_CODECS = ["none", "float16", "bfloat16", "int8", "auto"]
 TRAINING_CODECS = ["none", "bfloat16", "int8", "topk", "auto"]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-def _namespace(i: int) -> str:
-    return f"p2pfslow{i}"
-
-
-class ShapedNetwork:
-    """A bridge in this namespace (the client, at .1) and one namespace per peer (.11, .12, ...)."""
-
-    def __init__(self, peers: int, mbit: int):
-        self.peers, self.mbit = peers, mbit
-
-    def host(self, i: int) -> str:
-        return f"{SUBNET}.{11 + i}"
-
-    def prefix(self, i: int) -> list[str]:
-        return ["ip", "netns", "exec", _namespace(i)]
-
-    def _shape(self, device: str, namespace: str | None) -> None:
-        burst = max(self.mbit * 1250, 16000)  # bytes: 10 ms at the rate, at least a few packets
-        cmd = ["tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{self.mbit}mbit",
-               "burst", str(burst), "latency", "400ms"]
-        subprocess.run((["ip", "netns", "exec", namespace] if namespace else []) + cmd, check=True, capture_output=True)
-
-    def __enter__(self) -> ShapedNetwork:
-        self.__exit__()
-        _ip("link", "add", BRIDGE, "type", "bridge")
-        _ip("addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
-        _ip("link", "set", BRIDGE, "up")
-        for i in range(self.peers):
-            ns, outside, inside = _namespace(i), f"p2pfv{i}", f"p2pfe{i}"
-            _ip("netns", "add", ns)
-            _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-            _ip("link", "set", inside, "netns", ns)
-            _ip("link", "set", outside, "master", BRIDGE, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", inside)
-            _ip("-n", ns, "link", "set", inside, "up")
-            self._shape(outside, None)  # toward the peer
-            self._shape(inside, ns)  # from the peer
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for i in range(self.peers):
-            subprocess.run(["ip", "netns", "del", _namespace(i)], capture_output=True)
-        subprocess.run(["ip", "link", "del", BRIDGE], capture_output=True)
-
-
-def start_swarm(network: ShapedNetwork, num_layers: int) -> LocalSwarm:
+def start_swarm(network: HostNetwork, num_layers: int) -> LocalSwarm:
     swarm = LocalSwarm(model=None)
-    for i, layers in enumerate(even_ranges(num_layers, network.peers)):
-        proc = swarm.launch(layers, ["--host", network.host(i)], prefix=network.prefix(i))
+    for i, layers in enumerate(even_ranges(num_layers, network.hosts)):
+        proc = swarm.launch(layers, ["--host", network.host(i)], prefix=network.prefix_of(i))
         swarm.wait_ready(proc)
     return swarm
 
@@ -108,7 +57,7 @@ async def _timed(coroutine) -> float:
 
 async def measure(source, maddrs: list[str], ids: list[int], batch: torch.Tensor, args) -> dict[str, list]:
     """Per codec: [generation tok/s, forward seconds, training step seconds], None where not applicable."""
-    client = await join_swarm(maddrs, host=f"{SUBNET}.1", client_mode=True)
+    client = await join_swarm(maddrs, host=GATEWAY, client_mode=True)
     results = {}
     try:
         for codec in dict.fromkeys(INFERENCE_CODECS + TRAINING_CODECS):
@@ -140,8 +89,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
-    if os.geteuid() != 0 or shutil.which("tc") is None:
-        print("bench_slow_links: error: needs root and iproute2 (ip netns, tc)", file=sys.stderr)
+    reason = namespaces_unavailable() or (None if shutil.which("tc") else "tc (iproute2) is not installed")
+    if reason is not None:
+        print(f"bench_slow_links: error: {reason}", file=sys.stderr)
         sys.exit(2)
     source = resolve_model(None)
     model = RemoteCausalLM(source)
@@ -150,7 +100,7 @@ def main() -> None:
     table = {}
     for mbit in (int(r) for r in args.rates.split(",")):
         print(f"links shaped to {mbit} Mbit/s:", file=sys.stderr)
-        with ShapedNetwork(PEERS, mbit) as network:
+        with HostNetwork(PEERS, prefix="p2pfslow", subnet=SUBNET, mbit=mbit) as network:
             swarm = start_swarm(network, model.config.num_hidden_layers)
             try:
                 table[mbit] = uvloop.run(measure(source, swarm.maddrs, ids, batch, args))

@@ -95,7 +95,7 @@ def main() -> None:
         print(f"Q: {QUESTION}\nbefore: {answer(model, tokenizer, QUESTION)}", flush=True)
 
         optimizer = torch.optim.AdamW(model.adapter.parameters(), lr=args.lr)
-        bar = tqdm(range(args.steps), desc="fine-tuning", unit="step", file=sys.stderr)
+        bar = tqdm(range(args.steps), desc="fine-tuning", unit="step", file=sys.stderr, disable=not sys.stderr.isatty())
         tokens, t0 = 0, time.perf_counter()
         for _ in bar:
             ids, mask, labels = collate(random.sample(data, args.batch_size), tokenizer.pad_token_id)

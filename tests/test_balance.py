@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 from p2pfusion.dht.records import PeerState
 from p2pfusion.peer.backup import lost_servers, promotion_rank, replaced
 from p2pfusion.peer.balance import (
-    Capacity, bottleneck, choose_range, layer_throughputs, place_peer, with_peer,
+    Capacity, Placement, bottleneck, choose_range, layer_throughputs, place_peer, reclaim, unguarded_gap, with_peer,
+    yields_to,
 )
 from p2pfusion.peer.rebalance import plan_move
 from tests.policy_records import rec
@@ -146,3 +147,44 @@ def test_one_backup_promotes_per_loss():
     assert replaced(before, promoted, 0, 6, gone=set())
     # a peer reported unreachable and confirmed gone counts as lost, even while its record lives on
     assert lost_servers(before, [rec(0, 6, name="a")], 0, 6, gone={"a"}) == {"a"}
+
+
+def test_a_joiner_to_a_covered_swarm_keeps_a_stage_warm_unless_it_adds_much():
+    # three equal stages; a newcomer that holds all 30 layers would add a duplicate 0:30 worth a third more
+    pipeline = [rec(0, 10, throughput=1.0, name="a"), rec(10, 20, throughput=1.0, name="b"), rec(20, 30, throughput=1.0, name="c")]
+    whole = Capacity(compute_rate=10.0, network_rate=None, max_layers=30)
+    assert place_peer(pipeline, 30, whole, "new").backup
+    # ten times the weak stage's speed is worth serving
+    weak = [rec(0, 10, throughput=10.0, name="a"), rec(10, 20, throughput=1.0, name="b"), rec(20, 30, throughput=10.0, name="c")]
+    fast = Capacity(compute_rate=100.0, network_rate=None, max_layers=10)
+    assert place_peer(weak, 30, fast, "new") == Placement(10, 20)
+
+
+def test_simultaneous_joiners_agree_on_who_chooses_again():
+    first = rec(10, 30, PeerState.JOINING, name="x", since=100.0)
+    second = rec(10, 30, PeerState.JOINING, name="y", since=100.5)
+    assert yields_to([first, second], second) and not yields_to([first, second], first)
+    tie_a, tie_b = rec(10, 30, PeerState.JOINING, name="a", since=5.0), rec(10, 20, PeerState.JOINING, name="b", since=5.0)
+    assert yields_to([tie_a, tie_b], tie_b) != yields_to([tie_a, tie_b], tie_a)
+    # a peer serving already was seen when the claim was made: no reason to choose again
+    assert not yields_to([rec(10, 30, name="old", since=1.0), second], second)
+    # the loser's new choice takes the winner's claim into account
+    me = Capacity(compute_rate=20.0, network_rate=None, max_layers=20)
+    others = [rec(0, 10, throughput=1.0, name="a"), first]
+    again = place_peer(others, 30, me, "y")
+    assert (again.start, again.end) != (10, 30)
+
+
+def test_a_restarted_peer_takes_back_its_layers_only_while_uncovered():
+    me = Capacity(compute_rate=10.0, network_rate=None, max_layers=10)
+    records = [rec(0, 10, name="a"), rec(10, 20, name="me"), rec(20, 30, name="c")]
+    assert reclaim(records, 30, me, "me", (10, 20))
+    assert not reclaim([*records, rec(10, 20, name="other")], 30, me, "me", (10, 20))
+    assert not reclaim(records, 30, Capacity(10.0, None, 5), "me", (10, 20))  # no longer fits
+    assert not reclaim(records, 20, me, "me", (10, 30))  # not a range of this model
+
+
+def test_a_gap_with_a_warm_backup_is_left_to_the_backup():
+    gap = [rec(10, 20, name="b"), rec(20, 30, name="c")]
+    assert unguarded_gap(gap, 30)
+    assert not unguarded_gap([*gap, rec(0, 10, PeerState.BACKUP, name="spare")], 30)

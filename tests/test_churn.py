@@ -73,7 +73,7 @@ def _kill_middle_during_generation(source, with_backup: bool):
         # which may be after the generation ended
         replacement = _peer_id(swarm.wait_ready((extra or joined)[0]))
         for _ in range(PROMOTION_POLLS):
-            states = uvloop.run(_states(swarm.maddrs, source.name))
+            states = uvloop.run(_states(swarm.maddrs, source.key))
             if states.get(replacement, (0, 0, ""))[2] == "online":
                 break
             time.sleep(1.0)
@@ -173,3 +173,32 @@ def test_graceful_leave_moves_the_session_without_error(tiny_models):
     result = uvloop.run(scenario())
     assert result.token_ids == _reference(source, ids, 12)
     assert result.recoveries == 0  # it moved on notice, with no failure
+
+
+def test_a_peer_that_moves_away_and_back_is_used_again(tiny_models):
+    """The only peer of a stage tells the session it is leaving, reloads, and serves again: the
+    session waits for it and goes on through it, instead of avoiding it for good."""
+    source = tiny_models["llama"]
+    ids = [3, 17, 42, 99, 5]
+
+    async def scenario():
+        async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
+            client = await join_swarm(maddrs, client_mode=True)
+            model = RemoteCausalLM(source, client)
+            try:
+                session = await model.open_session(32)
+                tokens = [model.next_token(await session.step(model.embed(ids)), 0.0, None)]
+                move = asyncio.ensure_future(peers[1].move(2, 4, overlap=False))
+                while not peers[1].server.draining:  # it has told the session it is leaving
+                    await asyncio.sleep(0.01)
+                for _ in range(11):
+                    tokens.append(model.next_token(await session.step(model.embed(tokens[-1:])), 0.0, None))
+                await move
+                await session.close()
+            finally:
+                await client.shutdown()
+            return tokens, peers[1].record.state
+
+    tokens, state = uvloop.run(scenario())
+    assert tokens == _reference(source, ids, 12)
+    assert state == PeerState.ONLINE

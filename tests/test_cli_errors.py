@@ -2,11 +2,14 @@
 
 import asyncio
 import json
+import subprocess
 import sys
 
 import pytest
 import uvloop
 
+from p2pfusion import __version__
+from p2pfusion.cli.main import build_parser
 from p2pfusion.client.adapters import Adapter, TuningConfig
 from tests.conftest import reference_model
 from tests.swarm import running_peers
@@ -88,7 +91,9 @@ def test_unreachable_initial_peer():
 def test_empty_and_too_long_prompts():
     assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "   "), "prompt is empty")
     long_prompt = "word " * 9000
-    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, long_prompt), "longer than the maximum length")
+    assert_one_line_error(
+        run("infer", "--initial-peers", DEAD_PEER, long_prompt), "prompt too long: ", "the model accepts 8192"
+    )
 
 
 async def _infer_with_gap(source):
@@ -119,8 +124,86 @@ def test_adapter_that_does_not_fit(tiny_models, tmp_path):
     )
     config = reference_model(tiny_models["gemma"]).config
     config.num_hidden_layers = 6  # made for a deeper model
-    Adapter(config, TuningConfig("lora", rank=2)).save(tmp_path / "deeper", "deeper")
+    Adapter(config, TuningConfig("lora", rank=2)).save(tmp_path / "deeper", tiny_models["gemma"])
     assert_one_line_error(
         run("infer", "--model", folder, "--initial-peers", peer, "--adapter", str(tmp_path / "deeper"), "hi"),
         "does not fit this model",
     )
+
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["infer", "--temperature", "-1"], "argument --temperature: expected a finite number >= 0, got '-1'"),
+    (["infer", "--temperature", "nan"], "argument --temperature: expected a finite number >= 0"),
+    (["infer", "--temperature", "inf"], "argument --temperature: expected a finite number >= 0"),
+    (["infer", "--max-new-tokens", "0"], "argument --max-new-tokens: expected a whole number >= 1, got '0'"),
+    (["chat", "--max-new-tokens", "-5"], "argument --max-new-tokens: expected a whole number >= 1"),
+    (["infer", "--seed", "-1"], "argument --seed: expected a whole number >= 0"),
+    (["chat", "--seed", "x"], "argument --seed: expected a whole number >= 0, got 'x'"),
+    (["run-peer", "--max-length", "0"], "argument --max-length: expected a whole number >= 1"),
+    (["run-peer", "--port", "65536"], "argument --port: expected a whole number in 0..65535"),
+    (["run-peer", "--data-port", "-1"], "argument --data-port: expected a whole number in 0..65535"),
+    (["run-peer", "--max-layers", "0"], "argument --max-layers: expected a whole number >= 1"),
+    (["demo", "--peers", "0"], "argument --peers: expected a whole number >= 1"),
+])
+def test_bad_numbers_are_one_line_errors(args, needle):
+    command, *options = args
+    joining = {"run-peer": ["--new-swarm"], "demo": []}.get(command, ["--initial-peers", DEAD_PEER])
+    code, stderr = run(command, *joining, *options, *(["hi"] if command == "infer" else []))
+    assert code == 2
+    assert len(stderr.splitlines()) == 1, stderr
+    assert stderr.startswith(f"p2pfusion: error: {needle}") and f"(see p2pfusion {command} --help)" in stderr, stderr
+
+
+def test_version():
+    code, out = uvloop.run(_stdout("--version"))
+    assert (code, out) == (0, f"p2pfusion {__version__}\n")
+
+
+async def _stdout(*args: str) -> tuple[int, str]:
+    proc = await asyncio.create_subprocess_exec(*CLI, *args, stdout=asyncio.subprocess.PIPE)
+    out, _ = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode, out.decode()
+
+
+def test_every_option_has_help_and_shows_its_default():
+    parser = build_parser()
+    commands = parser._subparsers._group_actions[0].choices
+    for name, command in commands.items():
+        for action in command._actions:
+            assert action.help, f"{name} {action.option_strings or action.dest} has no help"
+    infer_help = " ".join(commands["infer"].format_help().split())
+    for shown in ("prompt the text to continue", "most tokens to generate (default: 64)", "0 is greedy (default: 0.0)"):
+        assert shown in infer_help, infer_help
+
+
+def test_verbose_before_or_after_the_command():
+    parser = build_parser()
+    assert parser.parse_args(["infer", "-v", "--initial-peers", DEAD_PEER, "hi"]).verbose
+    assert parser.parse_args(["-v", "chat", "--initial-peers", DEAD_PEER]).verbose
+    assert not parser.parse_args(["swarm", "--initial-peers", DEAD_PEER]).verbose
+
+
+# The CLI with a spy on its first log line: was torch imported by then?
+FIRST_LINE = """
+import logging, sys
+from p2pfusion.cli.main import main
+
+class Spy(logging.Handler):
+    def emit(self, record):
+        if not hasattr(self, "seen"):
+            self.seen = True
+            print("torch imported:", "torch" in sys.modules, record.getMessage(), file=sys.stderr)
+
+logging.getLogger("p2pfusion").addHandler(Spy())
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_infer_says_it_is_connecting_before_importing_torch(tiny_models):
+    proc = subprocess.run(
+        [sys.executable, "-c", FIRST_LINE, "infer", "--model", str(tiny_models["llama"].folder),
+         "--initial-peers", DEAD_PEER, "hi"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.stderr.startswith(f"torch imported: False connecting to the swarm via {DEAD_PEER}"), proc.stderr

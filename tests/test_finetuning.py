@@ -210,9 +210,9 @@ def test_bad_input_gets_clear_errors(tiny_models, tmp_path):
 
     wider = LlamaConfig(**{**COMMON, "hidden_size": 96})  # adapters made for other models
     deeper = LlamaConfig(**{**COMMON, "num_hidden_layers": 6})
-    Adapter(wider, TuningConfig("lora", rank=4)).save(tmp_path / "wider", "wider")
-    Adapter(deeper, TuningConfig("deep_prompt", prompt_tokens=2)).save(tmp_path / "deeper", "deeper")
     source = tiny_models["llama"]
+    Adapter(wider, TuningConfig("lora", rank=4)).save(tmp_path / "wider", source)
+    Adapter(deeper, TuningConfig("deep_prompt", prompt_tokens=2)).save(tmp_path / "deeper", source)
     with peers_in_background(source, RANGES) as (_, maddrs, _):
         model = AutoDistributedModelForCausalLM.from_pretrained(str(source.folder), initial_peers=maddrs, tuning="lora")
         try:

@@ -102,3 +102,11 @@ def test_chunks_cover_the_step_in_pipeline_sized_pieces():
             assert sum(sizes) == tokens and len(sizes) <= hops
             assert len(sizes) == 1 or min(sizes) >= MIN_CHUNK_TOKENS
             assert max(sizes) - min(sizes) <= 1
+
+
+def test_a_peer_that_comes_back_is_forgiven_its_ban():
+    health = PeerHealth()
+    health.failed("p", since=10.0, now=0.0)
+    assert health.banned([rec(0, 4, name="p", since=10.0)], now=1.0) == {"p"}  # the same process
+    assert health.banned([rec(0, 4, PeerState.JOINING, name="p", since=20.0)], now=1.0) == {"p"}  # still loading
+    assert health.banned([rec(0, 4, name="p", since=20.0)], now=1.0) == set()  # restarted, serving again

@@ -17,7 +17,7 @@ IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1], [9, 8, 7, 6, 5, 4, 3, 2]])
 
 
 async def _open(client, model, purpose):
-    route = find_route(await client.lookup(model.source.name), model.config.num_hidden_layers)
+    route = find_route(await client.lookup(model.source.key), model.config.num_hidden_layers)
     return await InferenceSession(client.transport, route, 16, purpose=purpose).open()
 
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+from typing import TextIO
 
 from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
@@ -25,8 +27,6 @@ async def run_peer(args, device: str) -> None:
             f"layer range {args.layers[0]}:{args.layers[1]} is out of bounds for {source.name} "
             f"(0:{config.num_hidden_layers})"
         )
-    if args.max_layers is not None and args.max_layers < 1:
-        raise ModelError("--max-layers must be at least 1")
     _check_device(device)
     options = PeerOptions(
         source=source,
@@ -37,6 +37,7 @@ async def run_peer(args, device: str) -> None:
         throughput=args.throughput,
         device=device,
         host=args.host,
+        announce_host=args.announce_host,
         port=args.port,
         data_port=args.data_port,
         identity=args.identity,
@@ -65,18 +66,31 @@ def _check_device(device: str) -> None:
         raise ModelError("mps is not available on this machine")
 
 
-async def infer(args) -> None:
-    if args.max_new_tokens < 1:
-        raise RequestError("--max-new-tokens must be at least 1")
-    if not args.prompt.strip():
-        raise RequestError("the prompt is empty")
+def client_model(args) -> RemoteCausalLM:
+    """The client's part of the model (embeddings, head, tokenizer) and the user's adapter."""
     model = RemoteCausalLM(resolve_model(args.model), compression=args.compression)
     if args.adapter is not None:
-        model.adapter = Adapter.load(args.adapter, model.config, model.source.name)
+        model.adapter = Adapter.load(args.adapter, model.config, model.source)
+    return model
+
+
+async def join(model: RemoteCausalLM, initial_peers: list[str]) -> SwarmNode:
+    t0 = time.perf_counter()
+    model.swarm = await join_swarm(initial_peers, client_mode=True)
+    log.info("joined the swarm in %.1f s", time.perf_counter() - t0)
+    return model.swarm
+
+
+async def infer(args, started: float) -> None:
+    """`started`: when the command started (perf_counter), for the progress lines."""
+    if not args.prompt.strip():
+        raise RequestError("the prompt is empty")
+    model = client_model(args)
     ids = model.encode(args.prompt, args.chat)
-    model.swarm = swarm = await join_swarm(args.initial_peers, client_mode=True)
+    log.info("loaded %s in %.1f s; the prompt is %d tokens", model.source.name, time.perf_counter() - started, len(ids))
+    swarm = await join(model, args.initial_peers)
     try:
-        decoder = _StreamingDecoder(model.tokenizer)
+        decoder = StreamingDecoder(model.tokenizer)
         result = await model.generate(ids, args.max_new_tokens, args.temperature, args.seed, decoder.push)
         decoder.finish()
     finally:
@@ -88,11 +102,12 @@ async def infer(args) -> None:
     )
 
 
-class _StreamingDecoder:
+class StreamingDecoder:
     """Print text as tokens arrive, without splitting multi-byte characters."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, out: TextIO | None = None):
         self.tokenizer = tokenizer
+        self.out = out or sys.stdout
         self.tokens: list[int] = []
         self.printed = 0
 
@@ -100,11 +115,11 @@ class _StreamingDecoder:
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
         if not text.endswith("\ufffd"):
-            sys.stdout.write(text[self.printed:])
-            sys.stdout.flush()
+            self.out.write(text[self.printed:])
+            self.out.flush()
             self.printed = len(text)
 
     def finish(self) -> None:
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        sys.stdout.write(text[self.printed:] + "\n")
-        sys.stdout.flush()
+        self.out.write(text[self.printed:] + "\n")
+        self.out.flush()

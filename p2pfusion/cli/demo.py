@@ -26,7 +26,8 @@ async def _ask(source, maddrs: list[str], prompt: str, max_new_tokens: int):
         def show(_token: int) -> None:
             print(".", end="", file=sys.stderr, flush=True)
 
-        return await model.generate(ids, max_new_tokens, on_token=show)
+        # a dot per token on a terminal; in a redirected log they would only be noise
+        return await model.generate(ids, max_new_tokens, on_token=show if sys.stderr.isatty() else None)
     finally:
         await swarm.shutdown()
 
@@ -41,7 +42,8 @@ def demo(args) -> None:
         swarm.start(ranges)
         log.info("swarm ready in %.1f s; first peer: %s", time.perf_counter() - t0, swarm.maddrs[0])
         result = uvloop.run(_ask(source, swarm.maddrs, args.prompt, args.max_new_tokens))
-        print(file=sys.stderr)
+        if sys.stderr.isatty():
+            print(file=sys.stderr)
         log.info("stopping the peers")
     speed = max(len(result.token_ids) - 1, 1) / max(result.decode_seconds, 1e-9)
     print(f"prompt: {args.prompt}")

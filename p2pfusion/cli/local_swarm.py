@@ -36,7 +36,7 @@ class LocalSwarm:
         cmd = [*(prefix or []), sys.executable, "-m", "p2pfusion.cli.main", "run-peer"]
         if self.model is not None:
             cmd += ["--model", self.model]
-        cmd += ["--new-swarm"] if not self.maddrs else ["--initial-peers", *self.maddrs]
+        cmd += ["--new-swarm"] if not self.maddrs else [arg for m in self.maddrs for arg in ("--initial-peers", m)]
         if layers is not None:
             cmd += ["--layers", f"{layers[0]}:{layers[1]}"]
         address_file = self.workdir / f"peer{index}.addr"

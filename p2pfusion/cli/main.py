@@ -1,14 +1,69 @@
-"""The `p2pfusion` command: run-peer, infer, swarm, demo. Logs go to stderr; results go to stdout."""
+"""The `p2pfusion` command: run-peer, infer, chat, swarm, demo. Logs go to stderr; results go to stdout.
+
+Only the standard library is imported up front: torch and transformers take seconds to import, so
+a command says what it is doing before it imports them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
+import math
 import os
 import sys
+import time
 from pathlib import Path
 
+from p2pfusion import __version__
 from p2pfusion.errors import P2PFusionError
+
+log = logging.getLogger("p2pfusion")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments end with one line, as every other error of the CLI does."""
+
+    def error(self, message: str):
+        self.exit(2, f"p2pfusion: error: {message} (see {self.prog} --help)\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless it has none to show (None, or a flag's)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def whole_number(minimum: int, maximum: int | None = None):
+    """An argument type: a whole number in [minimum, maximum]."""
+    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"expected a whole number {bounds}, got {text!r}")
+        return value
+
+    return parse
+
+
+PORT = whole_number(0, 65535)
+
+
+def temperature(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def layer_range(text: str) -> tuple[int, int]:
@@ -19,6 +74,13 @@ def layer_range(text: str) -> tuple[int, int]:
     if not 0 <= start < end:
         raise argparse.ArgumentTypeError(f"layer range {text} is empty or negative")
     return start, end
+
+
+def ip_address(text: str) -> str:
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an IP address: {text!r}") from None
 
 
 def maddr_list(text: str) -> list[str]:
@@ -58,6 +120,8 @@ INITIAL_PEERS = dict(
 
 
 def compression(text: str) -> str:
+    if text == "auto":  # the default, parsed on every run: checking it must not import torch (the codecs do)
+        return text
     from p2pfusion.net.compression import parse_compression
 
     try:
@@ -78,62 +142,102 @@ def _device(args) -> str:
     return args.device
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="p2pfusion", description="Serve and use LLMs over a peer-to-peer swarm.")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=summary, description=summary, formatter_class=_HelpFormatter)
+    # also after the command's name; SUPPRESS keeps a -v given before it
+    command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logs on stderr")
+    return command
 
-    peer = sub.add_parser("run-peer", help="serve a range of a model's layers")
+
+def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, what: str) -> None:
+    """The options infer and chat share."""
+    command.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    command.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
+    command.add_argument(
+        "--max-new-tokens", type=whole_number(1), default=max_new_tokens, metavar="N", help=f"most tokens {what}"
+    )
+    command.add_argument(
+        "--temperature", type=temperature, default=0.0, metavar="T", help="sampling temperature; 0 is greedy"
+    )
+    command.add_argument("--seed", type=whole_number(0), metavar="N", help="seed of the sampler (with --temperature)")
+    command.add_argument("--compression", **COMPRESSION)
+    command.add_argument("--adapter", type=Path, metavar="PATH", help="a trained adapter (PEFT format) to generate with")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="p2pfusion", description="Serve and use LLMs over a peer-to-peer swarm.", formatter_class=_HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"p2pfusion {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    peer = _command(sub, "run-peer", "serve a range of a model's layers")
     peer.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
     joining = peer.add_mutually_exclusive_group(required=True)
     joining.add_argument("--new-swarm", action="store_true", help="start a new swarm with this peer")
     joining.add_argument("--initial-peers", **INITIAL_PEERS)
     peer.add_argument("--layers", type=layer_range, metavar="START:END", help="layers to serve")
-    peer.add_argument("--max-layers", type=int, help="serve at most this many layers when --layers is not given")
+    peer.add_argument(
+        "--max-layers", type=whole_number(1), metavar="N",
+        help="serve at most this many layers when --layers is not given",
+    )
     peer.add_argument("--backup", action="store_true", help="keep a stage warm and take over when its peer leaves")
     peer.add_argument(
         "--throughput", type=throughput, default="auto", metavar="auto|eval|N",
         help="auto: reuse the cached benchmark; eval: measure again; N: one-token steps/s through one layer",
     )
     where = peer.add_mutually_exclusive_group()
-    where.add_argument("--gpu", type=int, metavar="N", help="serve on CUDA device N")
-    where.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu")
-    peer.add_argument("--host", default="127.0.0.1", help="IP address to listen on")
-    peer.add_argument("--port", type=int, default=0, help="libp2p TCP port (0 picks a free one)")
+    where.add_argument("--gpu", type=whole_number(0), metavar="N", help="serve on CUDA device N")
+    where.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu", help="where the layers run")
     peer.add_argument(
-        "--data-port", type=int, default=0, help="TCP port of direct TLS connections for hidden states (0 picks one)"
+        "--host", default="127.0.0.1",
+        help="IP address to listen on: 127.0.0.1 serves this machine only, 0.0.0.0 every interface",
     )
-    peer.add_argument("--identity", help="file holding this peer's key (created if missing)")
-    peer.add_argument("--address-file", type=Path, help="write this peer's multiaddrs here once serving")
-    peer.add_argument("--max-length", type=int, default=2048, help="longest session accepted, in tokens")
+    peer.add_argument(
+        "--announce-host", metavar="IP", type=ip_address,
+        help="the address other hosts reach this peer at (a public or forwarded IP), announced instead of "
+        "the listening addresses",
+    )
+    peer.add_argument("--port", type=PORT, default=0, metavar="N", help="libp2p TCP port; 0 picks a free one")
+    peer.add_argument(
+        "--data-port", type=PORT, default=0, metavar="N",
+        help="TCP port of direct TLS connections for hidden states; 0 picks a free one",
+    )
+    peer.add_argument("--identity", metavar="PATH", help="file holding this peer's key (created if missing)")
+    peer.add_argument("--address-file", type=Path, metavar="PATH", help="write this peer's multiaddrs here once serving")
+    peer.add_argument(
+        "--max-length", type=whole_number(1), default=2048, metavar="N",
+        help="longest session accepted, in tokens (clients learn it from the DHT)",
+    )
     peer.add_argument("--compression", **COMPRESSION)
     peer.add_argument(
-        "--training-memory", type=mebibytes, default=1 << 30, metavar="MIB",
-        help="activations kept between training clients' forward and backward passes (default 1024); "
+        "--training-memory", type=mebibytes, default="1024", metavar="MIB",
+        help="activations kept between training clients' forward and backward passes; "
         "beyond it, backward passes recompute their forward",
     )
 
-    infer = sub.add_parser("infer", help="private inference through the swarm")
-    infer.add_argument("prompt")
-    infer.add_argument("--model")
-    infer.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
-    infer.add_argument("--max-new-tokens", type=int, default=64)
-    infer.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    infer.add_argument("--seed", type=int)
+    infer = _command(sub, "infer", "private inference through the swarm")
+    infer.add_argument("prompt", help="the text to continue (with --chat, the user's message)")
+    _generation_options(infer, 64, "to generate")
     infer.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    infer.add_argument("--compression", **COMPRESSION)
-    infer.add_argument("--adapter", type=Path, metavar="PATH", help="a trained adapter (PEFT format) to generate with")
 
-    view = sub.add_parser("swarm", help="show a swarm's stages, peers and bottleneck")
+    chat = _command(sub, "chat", "chat in the terminal with the model, through the swarm")
+    _generation_options(chat, 256, "per reply")
+    chat.add_argument("--system", metavar="PROMPT", help="a system message to start the conversation with")
+
+    view = _command(sub, "swarm", "show a swarm's stages, peers and bottleneck")
     view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
     view.add_argument("--model", help="show only this model (default: every model served)")
     view.add_argument("--json", action="store_true", help="print JSON for scripts")
     view.add_argument("--no-probe", dest="probe", action="store_false", help="do not time each peer from here")
 
-    demo = sub.add_parser("demo", help="a local 3-peer swarm of the default model and one private inference")
-    demo.add_argument("--prompt", default="What is the capital of France?")
-    demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--peers", type=int, default=3)
+    demo = _command(sub, "demo", "a local swarm of the default model and one private inference through it")
+    demo.add_argument("--prompt", default="What is the capital of France?", help="the user's message")
+    demo.add_argument("--max-new-tokens", type=whole_number(1), default=48, metavar="N", help="most tokens to generate")
+    demo.add_argument(
+        "--peers", type=whole_number(1), default=3, metavar="N", help="peers to start, each serving a share of the layers"
+    )
     return parser
 
 
@@ -146,6 +250,12 @@ def _configure_logging(verbose: bool) -> None:
     for noisy in ("hivemind", "transformers", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if not sys.stderr.isatty():
+        # a progress bar redrawn into a file or pipe leaves fragments on every line: no bars from
+        # transformers and huggingface_hub, nor from tqdm itself (transformers' GGUF conversion).
+        # Set before they are imported, which read them then.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _run(coro) -> None:
@@ -155,6 +265,7 @@ def _run(coro) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     args = build_parser().parse_args(argv)
     if args.command == "run-peer":
         # A stage idles while other stages compute, often on the same cores, so its OpenMP
@@ -170,9 +281,15 @@ def main(argv: list[str] | None = None) -> int:
 
             _run(run_peer(args, _device(args)))
         elif args.command == "infer":
+            log.info("connecting to the swarm via %s; loading the model first ...", args.initial_peers[0])
             from p2pfusion.cli.commands import infer
 
-            _run(infer(args))
+            _run(infer(args, started))
+        elif args.command == "chat":
+            log.info("connecting to the swarm via %s; loading the model first ...", args.initial_peers[0])
+            from p2pfusion.cli.chat import chat
+
+            chat(args, started)
         elif args.command == "swarm":
             from p2pfusion.cli.swarm_view import show_swarm
 

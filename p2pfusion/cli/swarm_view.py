@@ -1,4 +1,9 @@
-"""`p2pfusion swarm`: every stage of a model, the peers serving it, what they claim and what we see."""
+"""`p2pfusion swarm`: the models a swarm serves, each one's stages and peers, what they claim and what we see.
+
+Models come from the DHT's shared model list (each peer lists its model there), so the view needs
+no local copy of any model; `--model` picks one by swarm key, by display name, or by a local model
+(a folder, `.gguf` file or Hub id) whose weights are hashed to find its key.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +11,15 @@ import json
 import logging
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
+from p2pfusion.client.catalog import absent_model, describe
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.probe import observe_peer
-from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
+from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState, span_throughput
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.errors import ModelError
-from p2pfusion.models.source import default_model_path, resolve_model
-from p2pfusion.models.stage import load_config
+from p2pfusion.errors import P2PFusionError, RouteError
+from p2pfusion.models.source import resolve_model
 from p2pfusion.peer.balance import layer_throughputs
 
 log = logging.getLogger("p2pfusion")
@@ -21,14 +27,12 @@ log = logging.getLogger("p2pfusion")
 
 @dataclass
 class ModelView:
-    model: str
-    num_layers: int | None
+    entry: ModelEntry
     records: list[PeerRecord]
     observed: dict[str, float]
 
     def bottleneck(self) -> tuple[float, list[int]]:
-        layers = self.num_layers or max((r.end for r in self.records), default=0)
-        totals = layer_throughputs(self.records, layers)
+        totals = layer_throughputs(self.records, self.entry.num_layers)
         low = min(totals, default=0.0)
         return low, [i for i, t in enumerate(totals) if t == low]
 
@@ -44,7 +48,7 @@ class ModelView:
                 "load_tokens_per_s": round(r.load, 2),
                 "moving_to": list(r.moving_to) if r.moving_to else None,
             })
-        return {"model": self.model, "num_layers": self.num_layers, "peers": peers,
+        return {"model": self.entry.name, "key": self.entry.key, "num_layers": self.entry.num_layers, "peers": peers,
                 "bottleneck_tokens_per_s": round(low, 2), "bottleneck_layers": _ranges(where)}
 
 
@@ -59,7 +63,8 @@ def _ranges(layers: list[int]) -> list[list[int]]:
 
 
 def format_table(view: dict) -> str:
-    lines = [f"model {view['model']} ({view['num_layers'] or '?'} layers)"]
+    count = len(view["peers"])
+    lines = [f"model {view['model']} (key {view['key']}, {view['num_layers']} layers, {count} peer{'s' * (count != 1)})"]
     header = f"  {'layers':>8}  {'state':<8} {'advertised':>10} {'observed':>9} {'load':>6}  {'device':<28} peer"
     lines.append(header)
     for p in view["peers"]:
@@ -74,43 +79,38 @@ def format_table(view: dict) -> str:
     return "\n".join(lines)
 
 
-def _local_model(model: str | None, listed: str | None):
-    """The model's source and config when this machine has it (needed to probe), else None."""
-    try:
-        if model is not None:
-            source = resolve_model(model)
-        elif listed == default_model_path().stem.split(".")[0]:
-            source = resolve_model(None)
-        else:
-            return None
-        return source, load_config(source)
-    except ModelError:
-        return None  # listed without probing
+def chosen_models(model: str, listed: list[ModelEntry]) -> list[ModelEntry]:
+    """The listed models that `model` names: by swarm key or display name, else a local model
+    matched by its weights. None listed is a RouteError naming those the swarm serves."""
+    named = [e for e in listed if model in (e.key, e.name)]
+    if named:
+        return named
+    if "/" not in model and not Path(model).expanduser().exists():  # neither a path nor a Hub id
+        raise RouteError(f"the swarm serves no model named {model}; it serves: {describe(listed)}")
+    source = resolve_model(model)
+    same = [e for e in listed if e.key == source.key]
+    if not same:
+        raise absent_model(source.name, source.key, listed)
+    return same
 
 
 async def show_swarm(args) -> None:
     swarm = await join_swarm(args.initial_peers, client_mode=True)
     try:
-        local = _local_model(args.model, None) if args.model else None
-        if args.model and local is None:
-            models = [args.model]
-        else:
-            models = [local[0].name] if local else await swarm.models()
+        listed = await swarm.models()
+        entries = listed if args.model is None else chosen_models(args.model, listed)
         views = []
-        for name in models:
-            found = local or _local_model(None, name)
-            config = found[1] if found else None
-            records = [r for r in await swarm.lookup(name) if r.state != PeerState.OFFLINE]
-            health = PeerHealth(observed=load_observed(name))
-            if config is not None and args.probe:
+        for entry in entries:
+            records = [r for r in await swarm.lookup(entry.key) if r.state != PeerState.OFFLINE]
+            health = PeerHealth(observed=load_observed(entry.key))
+            if args.probe:
                 for record in records:
                     try:
-                        await observe_peer(swarm, record, config.hidden_size, health)
-                    except Exception as exc:  # an unreachable peer shows with no fresh observation
+                        await observe_peer(swarm, record, entry.hidden_size, health)
+                    except (P2PFusionError, OSError, TimeoutError) as exc:  # shown with no fresh observation
                         log.warning("could not probe %s: %s", record.peer_id, exc)
-                save_observed(name, health.observed)
-            num_layers = config.num_hidden_layers if config is not None else None
-            views.append(ModelView(name, num_layers, records, health.observed).to_dict())
+                save_observed(entry.key, health.observed)
+            views.append(ModelView(entry, records, health.observed).to_dict())
     finally:
         await swarm.shutdown()
     if args.json:

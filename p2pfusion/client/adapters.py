@@ -33,6 +33,7 @@ from p2pfusion.models.adapters import (
     layer_projections,
     resolve_targets,
 )
+from p2pfusion.models.source import ModelSource
 from p2pfusion.net import messages as m
 from p2pfusion.net.payloads import flatten
 
@@ -42,6 +43,7 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model.model."  # where PEFT puts a causal LM's decoder layers
 SOFT_PROMPT_KEY = "prompt_embeddings"  # PEFT's name for prompt tuning's virtual tokens
+MODEL_KEY_FIELD = "p2pfusion_model_key"  # the base model's swarm key; PEFT ignores fields it does not know
 PEFT_TYPES = {LORA: "LORA", PROMPT: "PROMPT_TUNING", DEEP_PROMPT: "P2PFUSION_DEEP_PROMPT"}
 
 
@@ -122,11 +124,14 @@ class Adapter(nn.Module):
 
     # PEFT files
 
-    def save(self, path: str | Path, base_model: str) -> None:
+    def save(self, path: str | Path, base_model: ModelSource) -> None:
+        """Write the PEFT files; they name the base model for people (PEFT's field) and by its swarm
+        key, so loading can tell the same weights under another name from other weights."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         tuning = self.tuning
-        config = {"peft_type": PEFT_TYPES[tuning.mode], "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        config = {"peft_type": PEFT_TYPES[tuning.mode], "task_type": "CAUSAL_LM",
+                  "base_model_name_or_path": base_model.name, MODEL_KEY_FIELD: base_model.key,
                   "inference_mode": True, "num_layers": self.num_layers}
         weights = {}
         if tuning.mode == LORA:
@@ -141,7 +146,7 @@ class Adapter(nn.Module):
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
     @classmethod
-    def load(cls, path: str | Path, config: PretrainedConfig, base_model: str) -> Adapter:
+    def load(cls, path: str | Path, config: PretrainedConfig, base_model: ModelSource) -> Adapter:
         """Read an adapter saved by `save` (or by PEFT, for LoRA and prompt tuning), checking that
         it fits this model."""
         folder = Path(path)
@@ -168,8 +173,10 @@ class Adapter(nn.Module):
                 )
             with torch.no_grad():
                 param.copy_(weights[key])
-        if saved.get("base_model_name_or_path") not in (None, base_model):  # maybe the same weights elsewhere
-            log.warning("the adapter in %s was trained on %s, not %s", folder, saved["base_model_name_or_path"], base_model)
+        trained_on = saved.get(MODEL_KEY_FIELD)
+        if trained_on is not None and trained_on != base_model.key:  # it fits, but other weights may need other values
+            log.warning("the adapter in %s was trained on other weights (%s, key %s) than %s (key %s)",
+                        folder, saved.get("base_model_name_or_path"), trained_on, base_model.name, base_model.key)
         return adapter
 
 

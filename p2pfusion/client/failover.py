@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from p2pfusion.client.adapters import RemoteParameters
+from p2pfusion.client.catalog import model_records
 from p2pfusion.client.health import PeerHealth
 from p2pfusion.client.routing import find_route
 from p2pfusion.client.session import InferenceSession
+from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import PeerFailed, RouteError
 from p2pfusion.net.compression import AUTO, Purpose
@@ -31,6 +33,7 @@ log = logging.getLogger(__name__)
 
 FAILOVER_TIMEOUT = 120.0  # how long a session waits for the swarm to cover its layers again
 RETRY_DELAY = 0.5
+AVOID_SECONDS = 30.0  # a leaving peer's record says so within a record's lifetime
 MIN_STEP_TIMEOUT = 10.0
 LONG_STEP_TIMEOUT = 120.0
 
@@ -41,7 +44,8 @@ class SwarmAccess:
     learned about peers and links, and the codec it asked for."""
 
     swarm: SwarmNode
-    model: str
+    model: str  # the model's swarm key (models/fingerprint.py)
+    name: str  # the model's name for people, in messages
     num_layers: int
     health: PeerHealth
     links: LinkBook
@@ -68,7 +72,9 @@ class ResilientSession:
         self.session: InferenceSession | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0
-        self._avoid: set[str] = set()  # peers that told this session they are leaving
+        # peers that told this session they are leaving: peer id -> (its record's `since`, when told)
+        self._avoid: dict[str, tuple[float, float]] = {}
+        self._known: dict[str, PeerRecord] = {}  # the records of the last lookup
         self._step_seconds: float | None = None
         self._reports: set[asyncio.Task] = set()
 
@@ -82,10 +88,10 @@ class ResilientSession:
         while True:
             try:
                 access = self.access
-                records = await access.swarm.lookup(access.model)
-                route = find_route(
-                    records, access.num_layers, access.health.observed, access.health.banned() | self._avoid, recovering
-                )
+                records = await model_records(access.swarm, access.model, access.name)
+                self._known = {r.peer_id: r for r in records}
+                avoid = access.health.banned(records) | self._avoided(records)
+                route = find_route(records, access.num_layers, access.health.observed, avoid, recovering, self.max_length)
                 self.session = await InferenceSession(
                     access.swarm.transport, route, self.max_length, access.compression, access.links, self.purpose
                 ).open()
@@ -111,11 +117,26 @@ class ResilientSession:
         if params is not None and self.session is not None and self.session.adapter != params.message.digest:
             await self.session.set_adapter(params.message, params.flat)
 
+    def _avoided(self, records: list[PeerRecord]) -> set[str]:
+        """Peers told us they were leaving; we take them back after AVOID_SECONDS, or at once when a
+        newer record says they serve again (they came back, or moved and moved back)."""
+        now = time.monotonic()
+        serving = {r.peer_id: r.since for r in records if r.state in (PeerState.ONLINE, PeerState.BACKUP)}
+        self._avoid = {
+            peer: (since, told) for peer, (since, told) in self._avoid.items()
+            if now - told < AVOID_SECONDS and serving.get(peer, since) <= since
+        }
+        return set(self._avoid)
+
+    def _since(self, peer_id: str) -> float:
+        record = self._known.get(peer_id)
+        return 0.0 if record is None else record.since
+
     def failed(self, exc: PeerFailed) -> None:
         if exc.peer_id is None:
             log.warning("%s", exc)
             return
-        ban = self.access.health.failed(exc.peer_id)
+        ban = self.access.health.failed(exc.peer_id, self._since(exc.peer_id))
         log.warning("%s; avoiding that peer for %.0f s", exc, ban)
         task = asyncio.create_task(self.access.swarm.report_unreachable(self.access.model, exc.peer_id, str(exc)))
         self._reports.add(task)
@@ -136,7 +157,7 @@ class ResilientSession:
             leaving = self.session.poll_notices()
             if leaving:
                 log.info("peers %s are leaving; moving this session", sorted(leaving))
-                self._avoid |= leaving
+                self._avoid.update({peer: (self._since(peer), time.monotonic()) for peer in leaving})
                 await self.drop()
                 continue
             replay = self.session.position == 0 and self.history

@@ -1,7 +1,12 @@
-"""Private inference: tokenizer, embeddings, final norm, LM head and sampling stay on the client."""
+"""Private inference: tokenizer, embeddings, final norm, LM head and sampling stay on the client.
+
+`RemoteCausalLM` holds the model's local parts; `Conversation` owns one swarm session and the
+tokens its peers hold, so a chat's later turns send only their new tokens.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,10 +15,11 @@ import torch
 from transformers import AutoTokenizer
 
 from p2pfusion.client.adapters import Adapter
+from p2pfusion.client.catalog import model_records
 from p2pfusion.client.failover import ResilientSession, SwarmAccess
 from p2pfusion.client.head import ScreenedHead, screened_head
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
-from p2pfusion.client.routing import find_route
+from p2pfusion.client.routing import find_route, session_limit
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError, RequestError
@@ -21,6 +27,22 @@ from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.links import LinkBook
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(source: ModelSource):
+    try:
+        return AutoTokenizer.from_pretrained(source.folder)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer of {source.name}: {exc}") from exc
+
+
+async def length_limit(access: SwarmAccess, positions: int) -> int:
+    """The longest sequence a session can hold now (soft prompt included): the model's `positions`,
+    or less where the peers of every route accept less."""
+    records = await model_records(access.swarm, access.model, access.name)
+    return session_limit(records, access.num_layers, positions, access.health.banned(records))
 
 
 @dataclass
@@ -57,7 +79,7 @@ class RemoteCausalLM:
         self.config = load_config(source)
         self.head = load_head(source, dtype)
         self.dtype = dtype
-        self.health = PeerHealth(observed=load_observed(source.name))
+        self.health = PeerHealth(observed=load_observed(source.key))
         self.adapter: Adapter | None = None  # trained parameters to generate with
         self._tokenizer = None
         self._swarm_access: SwarmAccess | None = None
@@ -67,21 +89,22 @@ class RemoteCausalLM:
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            try:
-                self._tokenizer = AutoTokenizer.from_pretrained(self.source.folder)
-            except (OSError, ValueError) as exc:
-                raise ModelError(f"cannot load the tokenizer of {self.source.name}: {exc}") from exc
+            self._tokenizer = load_tokenizer(self.source)
         return self._tokenizer
 
-    def max_length(self) -> int:
+    def max_positions(self) -> int:
         return int(getattr(self.config, "max_position_embeddings", 2048))
 
     def check_prompt(self, input_ids: list[int]) -> None:
+        """What can be checked before joining the swarm: the model's own positions."""
         if not input_ids:
             raise RequestError("the prompt is empty")
-        limit = self.max_length()
+        limit = self.max_positions()
         if len(input_ids) >= limit:
-            raise RequestError(f"the prompt is {len(input_ids)} tokens, longer than the maximum length {limit - 1}")
+            raise RequestError(f"prompt too long: {len(input_ids)} tokens, the model accepts {limit}")
+
+    async def length_limit(self) -> int:
+        return await length_limit(self._access(), self.max_positions())
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Tokenize and validate a prompt (before any network traffic, so bad input fails fast)."""
@@ -93,10 +116,19 @@ class RemoteCausalLM:
 
     def _tokenize(self, prompt: str, chat: bool) -> list[int]:
         if chat:
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
-            ))
+            return self.chat_ids([{"role": "user", "content": prompt}])
         return list(self.tokenizer(prompt)["input_ids"])
+
+    def require_chat_template(self) -> None:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ModelError(f"{self.source.name} has no chat template (its tokenizer_config.json names none)")
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation rendered with the model's chat template, ready for the assistant's turn."""
+        self.require_chat_template()
+        return list(self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        ))
 
     def _access(self) -> SwarmAccess:
         if self.swarm is None:
@@ -104,7 +136,8 @@ class RemoteCausalLM:
         if self._swarm_access is None or self._swarm_access.swarm is not self.swarm:
             links = LinkBook(self.swarm.transport)
             self._swarm_access = SwarmAccess(
-                self.swarm, self.source.name, self.config.num_hidden_layers, self.health, links, self.compression
+                self.swarm, self.source.key, self.source.name, self.config.num_hidden_layers, self.health, links,
+                self.compression,
             )
         return self._swarm_access
 
@@ -116,8 +149,11 @@ class RemoteCausalLM:
         """One forward and backward pass through the swarm: the loss (as transformers computes it from
         `labels`) and its gradient with respect to the input embeddings. Peers' weights stay frozen."""
         access = self._access()
-        records = await self.swarm.lookup(self.source.name)
-        route = find_route(records, self.config.num_hidden_layers, self.health.observed, self.health.banned())
+        records = await model_records(self.swarm, self.source.key, self.source.name)
+        route = find_route(
+            records, self.config.num_hidden_layers, self.health.observed, self.health.banned(records),
+            length=input_ids.shape[1],
+        )
         session = await InferenceSession(
             self.swarm.transport, route, input_ids.shape[1], self.compression, access.links, Purpose.TRAINING
         ).open()
@@ -175,32 +211,107 @@ class RemoteCausalLM:
         stop_at_eos: bool = True,
         decode: bool = True,
     ) -> Generated:
-        self.check_prompt(input_ids)
-        total = min(len(input_ids) + max_new_tokens, self.max_length())
+        """One generation in a session of its own."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        eos = self.config.eos_token_id
+        conversation = Conversation(self, keep=False)
+        try:
+            return await conversation.generate(
+                input_ids, max_new_tokens, temperature, generator, on_token, stop_at_eos, decode=decode
+            )
+        finally:
+            await conversation.close()
+
+
+class Conversation:
+    """A session kept open across generations: the peers keep the KV caches of the tokens so far,
+    and each call sends only the tokens after those. It owns the session (a ResilientSession, which
+    replays them on failover) and the list of those tokens."""
+
+    def __init__(self, model: RemoteCausalLM, keep: bool = True):
+        self.model = model
+        # True: open sessions as long as the swarm accepts, for the calls to come; False: as long
+        # as this call needs, so that peers accepting less may serve it
+        self.keep = keep
+        self.session: ResilientSession | None = None
+        self.tokens: list[int] = []  # what the peers' caches hold (after the soft prompt), in order
+        self.limit = 0  # the longest sequence of tokens the open session takes
+
+    def _unsent(self, input_ids: list[int]) -> list[int] | None:
+        """The tokens after those the session holds; None when it holds other tokens, or all of them."""
+        held = len(self.tokens)
+        if len(input_ids) > held and input_ids[:held] == self.tokens:
+            return input_ids[held:]
+        same = next((i for i, (a, b) in enumerate(zip(input_ids, self.tokens)) if a != b), min(held, len(input_ids)))
+        log.debug("the sequence differs from the session's %d tokens at position %d: a fresh session", held, same)
+        return None
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        on_token: Callable[[int], None] | None = None,
+        stop_at_eos: bool = True,
+        stop: Callable[[], bool] | None = None,
+        decode: bool = True,
+    ) -> Generated:
+        """Continue `input_ids` (the whole sequence, earlier calls' tokens included) with up to
+        `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
+        leaves the session ready for the next call."""
+        model = self.model
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        new = None if self.session is None else self._unsent(input_ids)
+        if new is None:
+            await self.close()
+        soft = None if model.adapter is None else model.adapter.soft_prompt
+        reserved = 0 if soft is None else soft.shape[0]  # positions the soft prompt takes
+        limit = self.limit if self.session is not None else await model.length_limit() - reserved
+        if len(input_ids) >= limit:
+            raise RequestError(f"prompt too long: {len(input_ids)} tokens, the swarm accepts {limit}")
+        total = len(input_ids) + max_new_tokens
+        if total > limit:  # as transformers does past max_length
+            log.warning(
+                "the swarm accepts %d tokens: generating %d new tokens, not %d",
+                limit, limit - len(input_ids), max_new_tokens,
+            )
+            total = limit
+        if self.session is None:
+            self.session = await model.open_session((limit if self.keep else total) + reserved)
+            self.limit, new = limit, input_ids
+            route = self.session.session.route
+            log.info("route found: %s", ", ".join(f"{r.start}:{r.end} on {r.peer_id[-8:]}" for r in route))
+        eos = model.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        prompt = None if self.adapter is None else self.adapter.soft_prompt
-        session = await self.open_session(total + (0 if prompt is None else prompt.shape[0]))
-        new: list[int] = []
+        out: list[int] = []
         try:
             t0 = time.perf_counter()
-            embeds = self.embed(input_ids)
-            if prompt is not None:  # soft prompt tokens sit before the text, at positions 0..n-1
-                embeds = torch.cat([prompt.detach().to(self.dtype)[None], embeds], dim=1)
-            hidden = await session.step(embeds)
+            embeds = model.embed(new)
+            if soft is not None and not self.tokens:  # soft prompt tokens sit before the text, at positions 0..n-1
+                embeds = torch.cat([soft.detach().to(model.dtype)[None], embeds], dim=1)
+            hidden = await self.session.step(embeds)
+            self.tokens += new
             t1 = time.perf_counter()
             while True:
-                token = self.next_token(hidden, temperature, generator)
-                new.append(token)
+                token = model.next_token(hidden, temperature, generator)
+                out.append(token)
                 if on_token is not None:
                     on_token(token)
-                if (stop_at_eos and token in eos_ids) or len(input_ids) + len(new) >= total:
+                done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
+                if done or (stop is not None and stop()):
                     break
-                hidden = await session.step(self.embed([token]))
+                hidden = await self.session.step(model.embed([token]))
+                self.tokens.append(token)
             t2 = time.perf_counter()
-        finally:
+        except BaseException:
+            await self.close()  # a step may be half done: the peers' caches are no longer known
+            raise
+        text = model.tokenizer.decode(out, skip_special_tokens=True) if decode else ""
+        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries)
+
+    async def close(self) -> None:
+        session, self.session, self.tokens, self.limit = self.session, None, [], 0
+        if session is not None:
             await session.close()
-            save_observed(self.source.name, self.health.observed)
-        text = self.tokenizer.decode(new, skip_special_tokens=True) if decode else ""
-        return Generated(new, text, t1 - t0, t2 - t1, session.recoveries)
+            save_observed(self.model.source.key, self.model.health.observed)

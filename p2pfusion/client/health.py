@@ -11,8 +11,10 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 
+from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.models.source import cache_root, safe_name
 
 log = logging.getLogger(__name__)
@@ -26,6 +28,7 @@ EMA_WEIGHT = 0.2  # share of a new observation in the average
 class Ban:
     failures: int
     until: float
+    since: float = 0.0  # the peer's record's `since` when it failed us; a newer record lifts the ban
 
 
 @dataclass
@@ -33,16 +36,23 @@ class PeerHealth:
     bans: dict[str, Ban] = field(default_factory=dict)
     observed: dict[str, float] = field(default_factory=dict)
 
-    def failed(self, peer_id: str, now: float | None = None) -> float:
-        """Ban a peer that failed us: 5 s, then twice as long each time it fails again. Returns the ban."""
+    def failed(self, peer_id: str, since: float = 0.0, now: float | None = None) -> float:
+        """Ban a peer that failed us: 5 s, then twice as long each time it fails again. Returns the ban.
+        `since` is when the record we routed by says the peer entered its state."""
         now = time.monotonic() if now is None else now
         failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
         duration = min(BAN_BASE * 2 ** (failures - 1), BAN_MAX)
-        self.bans[peer_id] = Ban(failures, now + duration)
+        self.bans[peer_id] = Ban(failures, now + duration, since)
         return duration
 
-    def banned(self, now: float | None = None) -> set[str]:
+    def banned(self, records: Iterable[PeerRecord] = (), now: float | None = None) -> set[str]:
+        """Peers still banned. A peer whose record is newer than the one it failed under (it
+        restarted, or moved and came back) is forgiven: it is a new process or a new stage."""
         now = time.monotonic() if now is None else now
+        for r in records:
+            ban = self.bans.get(r.peer_id)
+            if ban is not None and r.since > ban.since and r.state in (PeerState.ONLINE, PeerState.BACKUP):
+                del self.bans[r.peer_id]
         return {peer for peer, ban in self.bans.items() if ban.until > now}
 
     def succeeded(self, peer_id: str) -> None:

@@ -10,6 +10,8 @@ trainable parameters (soft prompts, deep prompts, LoRA).
 
 from __future__ import annotations
 
+import logging
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from p2pfusion.client.adapters import Adapter, RemoteParameters, TuningConfig
 from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.generation import load_tokenizer
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.remote_layers import RemoteLayers, SwarmClient
 from p2pfusion.dht.swarm import join_swarm
@@ -28,7 +31,7 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
 
-MAX_SESSION_LENGTH = 2048  # what peers accept by default (run-peer --max-length)
+log = logging.getLogger(__name__)
 
 
 class RemoteCache(Cache):
@@ -147,6 +150,14 @@ def _mask(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch
     return None if bool(attention_mask.all()) else attention_mask.to(torch.long)
 
 
+def _prompt_length(args: tuple, kwargs: dict) -> int:
+    """The prompt's length in tokens, from `generate`'s arguments as transformers takes them."""
+    inputs = kwargs.get("inputs_embeds")
+    if inputs is None:
+        inputs = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    return 1 if inputs is None else int(inputs.shape[1])  # no input: transformers starts from one BOS token
+
+
 class DistributedModelMixin:
     """What a distributed model adds to the family's causal-LM class."""
 
@@ -179,21 +190,37 @@ class DistributedModelMixin:
             raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
         if kwargs.get("past_key_values") is not None:
             return super().generate(*args, **kwargs)
-        adapter = self.model.adapter
+        client, adapter = self.model.client, self.model.adapter
+        reserved = 0 if adapter is None else adapter.prompt_length  # positions the soft prompt takes
+        limit = client.run(client.length_limit()) - reserved
+        prompt = _prompt_length(args, kwargs)
+        if prompt >= limit:
+            raise RequestError(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
+        wanted = kwargs.get("max_new_tokens", config.max_new_tokens)
+        if wanted is None:
+            wanted = kwargs.get("max_length", config.max_length) - prompt
+        if prompt + wanted > limit:  # as transformers caps at max_length
+            log.warning("the swarm accepts %d tokens: generating %d new tokens, not %d", limit, limit - prompt, wanted)
+            kwargs["max_new_tokens"] = wanted = limit - prompt
         params = None if adapter is None else adapter.remote_parameters()
-        cache = RemoteCache(self.model.client, params, self.model.client.max_length)
+        cache = RemoteCache(client, params, prompt + wanted + reserved)
         try:
             return super().generate(*args, past_key_values=cache, **kwargs)
         finally:
             cache.close()
 
+    @cached_property
+    def tokenizer(self):
+        """The model's tokenizer (transformers' AutoTokenizer, from the model's folder)."""
+        return load_tokenizer(self.model.client.source)
+
     def save_adapter(self, path: str | Path) -> None:
         if self.model.adapter is None:
             raise RequestError("this model has no adapter to save: load it with tuning=... or load_adapter()")
-        self.model.adapter.save(path, self.model.client.model)
+        self.model.adapter.save(path, self.model.client.source)
 
     def load_adapter(self, path: str | Path) -> Adapter:
-        adapter = Adapter.load(path, self.config, self.model.client.model)
+        adapter = Adapter.load(path, self.config, self.model.client.source)
         self.set_adapter(adapter)
         return adapter
 
@@ -245,11 +272,11 @@ class AutoDistributedModelForCausalLM:
         except BaseException:
             loop.close()
             raise
-        max_length = min(int(getattr(config, "max_position_embeddings", MAX_SESSION_LENGTH)), MAX_SESSION_LENGTH)
-        client = SwarmClient(loop, swarm, source.name, config.num_hidden_layers, max_length, compression)
+        positions = int(getattr(config, "max_position_embeddings", 2048))
+        client = SwarmClient(loop, swarm, source, config.num_hidden_layers, positions, compression)
         trainable = None
         if adapter is not None:
-            trainable = Adapter.load(adapter, config, source.name)
+            trainable = Adapter.load(adapter, config, source)
         elif tuning_config is not None:
             trainable = Adapter(config, tuning_config, head.get_input_embeddings())
         head.model = RemoteDecoder(head.model, client, trainable, dtype)

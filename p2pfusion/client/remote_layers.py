@@ -12,23 +12,29 @@ import torch
 
 from p2pfusion.client.adapters import Adapter, RemoteParameters
 from p2pfusion.client.failover import ResilientSession, SwarmAccess
+from p2pfusion.client.generation import length_limit
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.training import TrainingSession, split_batch
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import RequestError
+from p2pfusion.models.source import ModelSource
 from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Purpose
 from p2pfusion.net.links import LinkBook
 
 
 class SwarmClient:
-    def __init__(self, loop: BackgroundLoop, swarm: SwarmNode, model: str, num_layers: int, max_length: int, compression: str):
+    def __init__(
+        self, loop: BackgroundLoop, swarm: SwarmNode, source: ModelSource, num_layers: int, max_positions: int,
+        compression: str,
+    ):
         self.loop = loop
-        self.access = SwarmAccess(
-            swarm, model, num_layers, PeerHealth(observed=load_observed(model)), LinkBook(swarm.transport), compression
-        )
-        self.max_length = max_length  # the longest sequence a session asks peers for
+        self.source = source
+        health = PeerHealth(observed=load_observed(source.key))
+        links = LinkBook(swarm.transport)
+        self.access = SwarmAccess(swarm, source.key, source.name, num_layers, health, links, compression)
+        self.max_positions = max_positions  # the model's; a session's length also follows the swarm's peers
         self._training: TrainingSession | None = None
 
     @property
@@ -38,15 +44,18 @@ class SwarmClient:
     def run(self, coro):
         return self.loop.run(coro)
 
-    def connection(self, purpose: Purpose, params: RemoteParameters | None, max_length: int | None = None) -> ResilientSession:
-        return self.access.session(max_length or self.max_length, params, purpose)
+    def connection(self, purpose: Purpose, params: RemoteParameters | None, max_length: int) -> ResilientSession:
+        return self.access.session(max_length, params, purpose)
+
+    async def length_limit(self) -> int:
+        return await length_limit(self.access, self.max_positions)
 
     @property
     def training(self) -> TrainingSession:
         """One training session for all of this client's steps: a route and its adapter are set
         up once, and the adapter is sent again only when its values change."""
         if self._training is None:
-            self._training = TrainingSession(self.connection(Purpose.TRAINING, None))
+            self._training = TrainingSession(self.connection(Purpose.TRAINING, None, self.run(self.length_limit())))
         return self._training
 
     def forward_once(

@@ -9,10 +9,13 @@ from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
 from p2pfusion.errors import RouteError
 
 
-def usable(records: list[PeerRecord], banned: Collection[str] = (), backups: bool = False) -> list[PeerRecord]:
-    """Peers a route may use: online ones, and warm backups when failing over."""
+def usable(
+    records: list[PeerRecord], banned: Collection[str] = (), backups: bool = False, length: int = 0
+) -> list[PeerRecord]:
+    """Peers a route may use: online ones (and warm backups when failing over) that accept sessions
+    of `length` tokens."""
     states = (PeerState.ONLINE, PeerState.BACKUP) if backups else (PeerState.ONLINE,)
-    return [r for r in records if r.state in states and r.peer_id not in banned]
+    return [r for r in records if r.state in states and r.peer_id not in banned and r.max_length >= length]
 
 
 def missing_layers(records: list[PeerRecord], num_layers: int) -> list[tuple[int, int]]:
@@ -47,6 +50,7 @@ def find_route(
     observed: dict[str, float] | None = None,
     banned: Collection[str] = (),
     backups: bool = False,
+    length: int = 0,
 ) -> list[PeerRecord]:
     """Fewest hops first (each hop costs a network round), then fewest backups, then least time.
 
@@ -54,9 +58,11 @@ def find_route(
     hops the one with the smallest sum of 1/throughput wins. A hop starts at the exact layer
     where the previous one ended, since a peer's cache holds its whole range.
     """
-    candidates = [r for r in usable(records, banned, backups) if r.end <= num_layers]
+    candidates = [r for r in usable(records, banned, backups, length) if r.end <= num_layers]
     gaps = missing_layers(candidates, num_layers)
     if gaps:
+        if length and not missing_layers(usable(records, banned, backups), num_layers):
+            raise RouteError(f"no peer accepting sessions of {length} tokens serves layers {format_ranges(gaps)}")
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model")
     observed = observed or {}
     # best[layer] = (hops, backups, seconds per token, route) of the best route from `layer` to the end
@@ -77,3 +83,21 @@ def find_route(
     if 0 not in best:
         raise RouteError("online peers cover every layer, but their ranges do not chain from layer 0 to the end")
     return best[0][3]
+
+
+def session_limit(records: list[PeerRecord], num_layers: int, positions: int, banned: Collection[str] = ()) -> int:
+    """The longest session (in tokens) a client can open now: the model's positions, or less where
+    no route of online peers accepts more (each peer announces its own max_length). A session of
+    that length has a route: `find_route(..., length=...)` picks among the peers that accept it."""
+    find_route(records, num_layers, banned=banned)  # no route at all: the RouteError naming the missing layers
+    lengths = sorted({r.max_length for r in usable(records, banned)})
+    # if the peers accepting n tokens chain through every layer, those accepting fewer do too
+    low, high = 0, len(lengths) - 1  # a route accepts lengths[low]
+    while low < high:
+        mid = (low + high + 1) // 2
+        try:
+            find_route(records, num_layers, banned=banned, length=lengths[mid])
+            low = mid
+        except RouteError:
+            high = mid - 1
+    return min(positions, lengths[low])

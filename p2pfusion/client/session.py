@@ -70,7 +70,7 @@ class InferenceSession:
     async def _connect(self, record: PeerRecord):
         try:
             reader, writer = await self.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL, OPEN_TIMEOUT)
-        except Exception as exc:
+        except Exception as exc:  # libp2p dials fail with assorted types; any of them means that peer is gone
             raise PeerFailed(f"peer {record.peer_id} ({record.start}:{record.end}) unreachable: {exc!r}", record.peer_id) from exc
         return reader, writer
 

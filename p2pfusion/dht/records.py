@@ -122,7 +122,47 @@ class UnreachableReport:
         return cls(peer_id=value["peer_id"], reason=str(value.get("reason", ""))[:200])
 
 
+MAX_KEY_LENGTH = 128
+MAX_NAME_LENGTH = 200
+MAX_LAYERS = 100_000
+MAX_HIDDEN = 1 << 20
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A model listed under MODELS_KEY: its swarm key (see models/fingerprint.py), the name its
+    announcing peer knows it by, and what a client needs to probe its peers without the weights."""
+
+    key: str
+    name: str
+    num_layers: int
+    hidden_size: int
+
+    def to_value(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_value(cls, subkey: Any, value: Any) -> ModelEntry | None:
+        """Parse a DHT value listed under `subkey`; None for anything malformed (values are untrusted,
+        and names are printed to terminals)."""
+        if not isinstance(value, dict):
+            return None
+        key, name, layers, hidden = (value.get(f) for f in ("key", "name", "num_layers", "hidden_size"))
+        if not isinstance(key, str) or key != subkey or not 0 < len(key) <= MAX_KEY_LENGTH:
+            return None
+        if not all(c.isascii() and (c.isalnum() or c in "-_.") for c in key):
+            return None
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_LENGTH or not name.isprintable():
+            return None
+        if type(layers) is not int or type(hidden) is not int:
+            return None
+        if not (0 < layers <= MAX_LAYERS and 0 < hidden <= MAX_HIDDEN):
+            return None
+        return cls(key, name, layers, hidden)
+
+
 def model_key(model: str) -> str:
+    """The DHT key of a model's peer records; `model` is its swarm key, never a file name."""
     return f"p2pfusion.model.{model}"
 
 
@@ -130,4 +170,4 @@ def unreachable_key(model: str) -> str:
     return f"p2pfusion.unreachable.{model}"
 
 
-MODELS_KEY = "p2pfusion.models"
+MODELS_KEY = "p2pfusion.models"  # one ModelEntry per model, under the model's swarm key as subkey

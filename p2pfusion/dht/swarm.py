@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import re
 from dataclasses import dataclass
 
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
@@ -13,12 +18,14 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2pfusion.dht.records import (
     MODELS_KEY,
+    ModelEntry,
     PeerRecord,
     UnreachableReport,
     model_key,
     unreachable_key,
 )
 from p2pfusion.errors import RouteError
+from p2pfusion.net.identity import peer_id_of_key
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -49,15 +56,20 @@ class SwarmNode:
             model_key(record.model), subkey=subkey, value=record.to_value(), expiration_time=get_dht_time() + ttl
         )
 
-    async def announce_model(self, model: str, ttl: float = RECORD_TTL) -> bool:
-        """List the model under a shared key, so `p2pfusion swarm` can show every model served."""
-        return await self.dht.store(MODELS_KEY, subkey=model, value=model, expiration_time=get_dht_time() + ttl)
+    async def announce_model(self, entry: ModelEntry, ttl: float = RECORD_TTL) -> bool:
+        """List the model under a shared key, so `p2pfusion swarm` can show every model served and
+        a client asking for an absent one can be told what the swarm has."""
+        return await self.dht.store(
+            MODELS_KEY, subkey=entry.key, value=entry.to_value(), expiration_time=get_dht_time() + ttl
+        )
 
-    async def models(self) -> list[str]:
+    async def models(self) -> list[ModelEntry]:
+        """Every model listed in the last TTL, by display name then key."""
         found = await self.dht.get(MODELS_KEY, latest=True)
         if found is None or not isinstance(found.value, dict):
             return []
-        return sorted({e.value for e in found.value.values() if isinstance(getattr(e, "value", None), str)})
+        entries = [ModelEntry.from_value(subkey, getattr(e, "value", None)) for subkey, e in found.value.items()]
+        return sorted((e for e in entries if e is not None), key=lambda e: (e.name, e.key))
 
     async def report_unreachable(self, model: str, peer_id: str, reason: str, ttl: float = RECORD_TTL) -> bool:
         value = {"peer_id": peer_id, "reason": reason[:200]}
@@ -78,9 +90,11 @@ class SwarmNode:
         if found is None or not isinstance(found.value, dict):
             return []
         records = []
-        for entry in found.value.values():
+        for subkey, entry in found.value.items():
             record = PeerRecord.from_value(getattr(entry, "value", None))
-            if record is not None and record.model == model:
+            # the validator checked the value is signed by the subkey's owner; that owner must also
+            # be the peer the record names, or anyone could announce layers in another peer's name
+            if record is not None and record.model == model and _owner(subkey) == record.peer_id:
                 records.append(record)
         return records
 
@@ -89,19 +103,28 @@ class SwarmNode:
         await self.transport.shutdown()
 
 
-def _load_identity(identity_path: str | None) -> RSAPrivateKey | None:
-    """The RSA key that signs DHT records; kept beside the libp2p identity so a peer keeps both."""
-    if identity_path is None:
+_OWNER = re.compile(rb"\[owner:(.+?)\]")
+
+
+@functools.lru_cache(maxsize=4096)
+def _owner(subkey: object) -> str | None:
+    """The peer id of the RSA key in a subkey's `[owner:...]` marker (None if it has none)."""
+    match = _OWNER.search(subkey) if isinstance(subkey, bytes) else None
+    if match is None:
         return None
-    path = identity_path + ".rsa"
     try:
-        with open(path, "rb") as f:
-            return RSAPrivateKey.from_bytes(f.read())
-    except FileNotFoundError:
-        key = RSAPrivateKey()
-        with open(path, "wb") as f:
-            f.write(key.to_bytes())
-        return key
+        key = serialization.load_ssh_public_key(match.group(1))
+    except (ValueError, UnsupportedAlgorithm):
+        return None
+    return peer_id_of_key(key) if isinstance(key, rsa.RSAPublicKey) else None
+
+
+class _SigningKey(RSAPrivateKey):
+    """The peer's own libp2p key, in the form hivemind's validator signs with: a record's owner key
+    then hashes to the peer id it names, and a restarted peer (same --identity) owns its old subkey."""
+
+    def __init__(self, key: rsa.RSAPrivateKey):
+        self._private_key = key  # not super().__init__(), which would generate a new key
 
 
 async def join_swarm(
@@ -111,22 +134,24 @@ async def join_swarm(
     identity_path: str | None = None,
     client_mode: bool = False,
     data_port: int = 0,
+    announce_host: str | None = None,
 ) -> SwarmNode:
     """Start libp2p and the DHT; a peer (not a client) also takes direct connections on `data_port`.
-    An empty `initial_peers` starts a new swarm."""
-    transport = await Transport.start(initial_peers, host, port, identity_path, client_mode)
+    An empty `initial_peers` starts a new swarm. Others reach this node at `announce_host` if given."""
+    transport = await Transport.start(initial_peers, host, port, identity_path, client_mode, announce_host)
     try:
         if not client_mode:
             try:
                 await transport.listen(host, data_port)
             except OSError as exc:
                 raise RouteError(f"cannot listen for direct connections on {host}:{data_port}: {exc.strerror or exc}") from exc
-        key = _load_identity(identity_path)
-        validator = RSASignatureValidator(key) if key is not None else RSASignatureValidator()
+        identity = transport.identity
+        validator = RSASignatureValidator(_SigningKey(identity.private_key) if identity else None)
+        initial_peers = transport.initial_peers
         dht = await DHTNode.create(
             p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode
         )
-    except Exception as exc:
+    except Exception as exc:  # hivemind reports DHT bootstrap failures as assorted types; all end the join
         await transport.shutdown()
         if isinstance(exc, RouteError):
             raise

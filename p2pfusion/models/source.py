@@ -3,6 +3,10 @@
 Peers and clients read weights tensor by tensor from safetensors, so every source is brought
 into that form once. A GGUF file is dequantized by transformers and the result is cached,
 because that conversion takes tens of seconds and a peer should start in a few.
+
+A model is known in the swarm by its content, not its name: `ModelSource.key` is derived from
+the architecture and a digest of the safetensors weights (models/fingerprint.py), so the same
+weights meet in one swarm whatever their files are called, and different weights never do.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p2pfusion.errors import ModelError
+from p2pfusion.models.fingerprint import swarm_key
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +32,12 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2")
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A model ready to load: its swarm-wide name and a folder holding config, weights, tokenizer."""
+    """A model ready to load: a display name for people, a folder holding config, weights and
+    tokenizer, and the key peers and clients find each other under (the same for the same weights)."""
 
     name: str
     folder: Path
+    key: str
 
 
 def cache_root() -> Path:
@@ -52,19 +59,25 @@ def default_model_path() -> Path:
 
 
 def resolve_model(model: str | None) -> ModelSource:
-    """Turn what the user typed into a ModelSource, converting or downloading when needed."""
+    """Turn what the user typed into a ModelSource, converting or downloading when needed, and
+    hashing the weights the first time (later resolves read the digest from the cache)."""
+    name, folder = _local_folder(model)
+    return ModelSource(name=name, folder=folder, key=swarm_key(folder, cache_root() / "digests"))
+
+
+def _local_folder(model: str | None) -> tuple[str, Path]:
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file() or not os.access(path, os.R_OK):
             raise ModelError(f"model file not found or unreadable: {path}")
-        return ModelSource(name=path.stem.split(".")[0], folder=_converted_gguf(path))
+        return path.stem.split(".")[0], _converted_gguf(path)
     if path.exists():
         if not (path / "config.json").is_file():
             raise ModelError(f"not a Hugging Face model folder (no config.json): {path}")
         _check_family(path)
-        return ModelSource(name=path.resolve().name, folder=path.resolve())
+        return path.resolve().name, path.resolve()
     if model is not None and _looks_like_hub_id(model):
-        return ModelSource(name=model, folder=_download_from_hub(model))
+        return model, _download_from_hub(model)
     raise ModelError(f"model not found: {model}")
 
 

@@ -12,7 +12,6 @@ Only the weights of the modules built are read from disk.
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from transformers.initialization import no_init_weights
 
 from p2pfusion.errors import ModelError
 from p2pfusion.models.adapters import StageAdapter, applied
+from p2pfusion.models.fingerprint import weight_files
 from p2pfusion.models.source import ModelSource
 
 LAYER_PREFIX = "model.layers."
@@ -154,25 +154,15 @@ class Stage:
         return sum(p.numel() * p.element_size() for p in self.module.parameters())
 
 
-def _weight_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [folder / name for name in names]
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelError(f"no safetensors weights in {folder}")
-    return files
-
-
 def _read_weights(folder: Path, rename) -> dict[str, torch.Tensor]:
     """Read only the tensors that `rename` maps to a name (it returns None for the others)."""
     weights = {}
-    for path in _weight_files(folder):
+    for path in weight_files(folder):
         with safe_open(str(path), framework="pt") as f:
             wanted = [(key, rename(key)) for key in f.keys()]
             wanted = [(key, new_key) for key, new_key in wanted if new_key is not None]
-            for key, new_key in tqdm(wanted, desc=f"loading {path.name}", unit="tensor", leave=False, file=sys.stderr):
+            for key, new_key in tqdm(wanted, desc=f"loading {path.name}", unit="tensor", leave=False, file=sys.stderr,
+                                      disable=not sys.stderr.isatty()):
                 weights[new_key] = f.get_tensor(key)
     return weights
 

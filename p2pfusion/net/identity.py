@@ -22,7 +22,8 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding, rsa
-from hivemind.p2p import P2P, PeerID
+from google.protobuf.message import DecodeError
+from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from p2pfusion.errors import RouteError
@@ -36,27 +37,48 @@ class IdentityError(RouteError):
     """A peer's TLS certificate does not prove the identity we expected."""
 
 
+KEY_MODE = 0o600  # key files are readable by their owner only
+CERT_MIN_LIFE = datetime.timedelta(days=7)  # a kept certificate closer to expiry than this is made anew
+
+
 @dataclass(frozen=True)
 class Identity:
     private_key: rsa.RSAPrivateKey
+    path: Path | None = None  # where the key lives; the TLS certificate is kept beside it
+
+    @classmethod
+    def create(cls, path: str | os.PathLike | None = None) -> Identity:
+        """A new RSA identity, saved in libp2p's format (hivemind's too) when `path` is given."""
+        key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        identity = cls(key, None if path is None else Path(path))
+        if path is not None:
+            der = key.private_bytes(
+                serialization.Encoding.DER, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+            )
+            _write_private(Path(path), crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.RSA, data=der).SerializeToString())
+        return identity
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike) -> Identity:
-        """Read a libp2p identity file (hivemind's format), creating it first if missing."""
-        if not os.path.isfile(path):
-            P2P.generate_identity(str(path))
-        raw = crypto_pb2.PrivateKey.FromString(Path(path).read_bytes())
-        if raw.key_type != crypto_pb2.KeyType.RSA:
+        """Read a libp2p identity file, creating it first if missing."""
+        path = Path(path)
+        if not path.is_file():
+            return cls.create(path)
+        try:
+            raw = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+            if raw.key_type != crypto_pb2.KeyType.RSA:
+                raise IdentityError(f"{path}: only RSA identities are supported")
+            key = serialization.load_der_private_key(raw.data, password=None)
+        except (OSError, ValueError, DecodeError) as exc:
+            raise IdentityError(f"{path} is not a readable libp2p identity file: {exc}") from exc
+        if not isinstance(key, rsa.RSAPrivateKey):
             raise IdentityError(f"{path}: only RSA identities are supported")
-        key = serialization.load_der_private_key(raw.data, password=None)
-        return cls(key)
+        _restrict(path)
+        return cls(key, path)
 
     @property
     def public_key_proto(self) -> bytes:
-        spki = self.private_key.public_key().public_bytes(
-            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-        return crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=spki).SerializeToString()
+        return _public_key_proto(self.private_key.public_key())
 
     @property
     def peer_id(self) -> str:
@@ -68,21 +90,64 @@ class Identity:
         signature = self.private_key.sign(SIGNATURE_PREFIX + spki, padding.PKCS1v15(), hashes.SHA256())
         return _self_signed(tls_key, self.peer_id, _der_signed_key(self.public_key_proto, signature))
 
+    def tls_credentials(self) -> bytes:
+        """PEM of the TLS key and certificate: kept in `<identity>.tls` for a saved identity, so a
+        restarted peer presents the same certificate; made anew when missing, expiring or not ours."""
+        kept = None if self.path is None else self.path.with_name(self.path.name + ".tls")
+        if kept is not None and kept.is_file():
+            pem = kept.read_bytes()
+            if self._still_ours(pem):
+                _restrict(kept)
+                return pem
+        tls_key = ec.generate_private_key(ec.SECP256R1())
+        pem = tls_key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ) + self.certificate(tls_key).public_bytes(serialization.Encoding.PEM)
+        if kept is not None:
+            _write_private(kept, pem)
+        return pem
+
+    def _still_ours(self, pem: bytes) -> bool:
+        try:
+            cert = x509.load_pem_x509_certificate(pem)
+            verify_peer(cert.public_bytes(serialization.Encoding.DER), self.peer_id)
+        except (ValueError, IdentityError):
+            return False
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return cert.not_valid_after_utc - now > CERT_MIN_LIFE
+
     def server_context(self) -> ssl.SSLContext:
         """A TLS 1.3 server context whose certificate is bound to this identity."""
-        tls_key = ec.generate_private_key(ec.SECP256R1())
-        cert = self.certificate(tls_key)
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         context.minimum_version = ssl.TLSVersion.TLSv1_3
         # ssl loads certificates only from files: write them where only we can read, then remove them
         with tempfile.TemporaryDirectory(prefix="p2pfusion-tls-") as folder:
-            cert_path, key_path = Path(folder, "cert.pem"), Path(folder, "key.pem")
-            cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-            key_path.write_bytes(tls_key.private_bytes(
-                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            ))
-            context.load_cert_chain(cert_path, key_path)
+            path = Path(folder, "credentials.pem")
+            path.write_bytes(self.tls_credentials())
+            context.load_cert_chain(path)
         return context
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Write a key file readable by its owner only, atomically (a crash leaves no half-written key)."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, KEY_MODE)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        tmp.replace(path)
+    except OSError as exc:
+        raise IdentityError(f"cannot write the key file {path}: {exc.strerror or exc}") from exc
+
+
+def _restrict(path: Path) -> None:
+    """Keys written by older versions or other tools may be readable by others: tighten them."""
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        try:
+            path.chmod(mode & 0o700)
+        except OSError as exc:
+            raise IdentityError(f"{path} is readable by other users and cannot be restricted: {exc.strerror}") from exc
 
 
 def _self_signed(tls_key: ec.EllipticCurvePrivateKey, subject: str, signed_key: bytes) -> x509.Certificate:
@@ -108,6 +173,15 @@ def client_context() -> ssl.SSLContext:
     context.check_hostname = False
     context.verify_mode = ssl.CERT_NONE
     return context
+
+
+def _public_key_proto(key: rsa.RSAPublicKey) -> bytes:
+    spki = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return crypto_pb2.PublicKey(key_type=crypto_pb2.KeyType.RSA, data=spki).SerializeToString()
+
+
+def peer_id_of_key(key: rsa.RSAPublicKey) -> str:
+    return peer_id_of(_public_key_proto(key))
 
 
 def peer_id_of(public_key_proto: bytes) -> str:

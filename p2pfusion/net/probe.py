@@ -68,7 +68,7 @@ async def reachable(transport: Transport, peer_id: str, data_addrs: list[str], t
     try:
         await asyncio.wait_for(_rtt(transport, peer_id, data_addrs), timeout)
         return True
-    except Exception:
+    except Exception:  # the libp2p daemon reports a dead or unreachable peer as assorted error types
         return False
 
 

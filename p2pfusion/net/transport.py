@@ -11,10 +11,13 @@ them. A direct connection starts with one hello frame naming the protocol, as li
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import ipaddress
 import logging
+import socket
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from hivemind.p2p import P2P, PeerID
@@ -38,7 +41,9 @@ STREAM_LIMIT = 8 << 20
 class Transport:
     """This node's libp2p host plus, on peers, a direct TLS listener."""
 
-    def __init__(self, p2p: P2P, identity: Identity | None):
+    def __init__(
+        self, p2p: P2P, identity: Identity | None, announce_host: str | None = None, initial_peers: Sequence[str] = ()
+    ):
         self.p2p = p2p
         self.identity = identity
         self.data_addrs: list[str] = []
@@ -46,33 +51,57 @@ class Transport:
         self._server: asyncio.Server | None = None
         self._client_tls = client_context()
         self._direct_failed: dict[str, float] = {}
+        self.announce_host = announce_host
+        self.initial_peers = list(initial_peers)  # those it joined through (never itself)
 
     @classmethod
-    async def start(cls, initial_peers: list[str], host: str, port: int, identity_path: str | None, client_mode: bool) -> Transport:
-        """Start libp2p. A peer always gets an identity held here, so its TLS certificate can prove it."""
+    async def start(
+        cls,
+        initial_peers: list[str],
+        host: str,
+        port: int,
+        identity_path: str | None,
+        client_mode: bool,
+        announce_host: str | None = None,
+    ) -> Transport:
+        """Start libp2p. A peer always gets an identity held here, so its TLS certificate can prove it.
+        `announce_host` is the address others reach this host at, when it listens on 0.0.0.0 behind
+        a forwarded port or has several interfaces."""
         kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=initial_peers)
         identity, scratch = None, None
         if not client_mode:
             if identity_path is None:  # a fresh key, used for this run only
                 scratch = tempfile.TemporaryDirectory(prefix="p2pfusion-id-")
-                identity_path = str(Path(scratch.name, "identity.key"))
-            if not Path(identity_path).is_file():
-                kwargs["check_if_identity_free"] = False  # made just now, so nobody else has it
-            identity = Identity.load_or_create(identity_path)
-        if identity_path is not None:
-            kwargs["identity_path"] = identity_path
+                key_file, kept = Path(scratch.name, "identity.key"), False
+                identity = dataclasses.replace(Identity.create(key_file), path=None)  # nothing kept beside it
+            else:
+                kept = Path(identity_path).is_file()
+                identity = Identity.load_or_create(identity_path)
+                key_file = identity.path
+            kwargs["identity_path"] = str(key_file)
+            # bootstrap peers can share one list of each other's addresses: each skips its own
+            initial_peers = [m for m in initial_peers if not m.endswith(f"/p2p/{identity.peer_id}")]
+            kwargs["initial_peers"] = initial_peers
+            # a key made just now is nobody else's; a kept one is checked (two peers must not share it)
+            kwargs["check_if_identity_free"] = kept
+        if announce_host is not None:
+            port = port or _free_port(host)  # libp2p announces explicit ports only
+            kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+            kwargs["announce_maddrs"] = [f"/{'ip6' if ':' in announce_host else 'ip4'}/{announce_host}/tcp/{port}"]
         try:
             p2p = await asyncio.wait_for(P2P.create(**kwargs), JOIN_TIMEOUT)
         except TimeoutError as exc:
             raise RouteError(f"cannot reach any initial peer within {JOIN_TIMEOUT:.0f} s: {initial_peers}") from exc
         except Exception as exc:  # the daemon reports bad addresses and dial failures as assorted errors
+            if "already taken" in str(exc):
+                raise RouteError(f"another running peer already uses the identity in {identity_path}") from exc
             if "bootstrap" in str(exc):
                 raise RouteError(f"no initial peer is reachable: {', '.join(initial_peers)}") from exc
             raise RouteError(f"cannot join the swarm through {initial_peers}: {str(exc).splitlines()[0]}") from exc
         finally:
             if scratch is not None:
                 scratch.cleanup()  # the daemon has read the key; this process holds it in memory
-        return cls(p2p, identity)
+        return cls(p2p, identity, announce_host, initial_peers)
 
     @property
     def peer_id(self) -> str:
@@ -90,6 +119,8 @@ class Transport:
         return self.data_addrs
 
     async def _announced_addrs(self, host: str, port: int) -> list[str]:
+        if self.announce_host is not None:
+            return [_join_addr(self.announce_host, port)]
         if host not in ("0.0.0.0", "::"):
             return [_join_addr(host, port)]
         ips = []
@@ -97,6 +128,8 @@ class Transport:
             parts = str(maddr).split("/")
             if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ips and parts[2] not in ("0.0.0.0", "::"):
                 ips.append(parts[2])
+        # loopback last: from another host it reaches the wrong machine (and fails its identity check)
+        ips.sort(key=lambda ip: ipaddress.ip_address(ip).is_loopback)
         return [_join_addr(ip, port) for ip in ips]
 
     async def add_handler(self, protocol: str, handler: Handler) -> None:
@@ -155,6 +188,12 @@ class Transport:
         if self._server is not None:
             self._server.close()
         await self.p2p.shutdown()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def _join_addr(host: str, port: int) -> str:

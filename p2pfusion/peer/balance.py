@@ -150,7 +150,10 @@ def stage_most_at_risk(records: list[PeerRecord], num_layers: int, max_layers: i
 
 @dataclass(frozen=True)
 class JoinPolicy:
-    min_gain: float = 0.10  # a new server must raise the bottleneck by this fraction, or be needed by demand
+    # Once every layer is served, a newcomer serves only if it raises the bottleneck by this fraction
+    # or demand needs it; otherwise it keeps a stage warm. A duplicate range that adds little speed
+    # would only split traffic, where a backup makes a stage survive its peer.
+    min_gain: float = 0.5
     busy: float = 0.5  # a layer whose demand passes this share of its capacity needs more servers
 
 
@@ -172,3 +175,31 @@ def place_peer(
         return Placement(start, end)
     stage = stage_most_at_risk(others, num_layers, me.max_layers)
     return Placement(*stage, backup=True) if stage is not None else Placement(start, end)
+
+
+def reclaim(records: list[PeerRecord], num_layers: int, me: Capacity, peer_id: str, previous: tuple[int, int]) -> bool:
+    """A peer that restarts with its identity takes its old range back while nobody else serves any of it."""
+    start, end = previous
+    if not 0 <= start < end <= num_layers or end - start > me.max_layers:
+        return False
+    others = [r for r in records if r.peer_id != peer_id]
+    return max(layer_throughputs(others, num_layers)[start:end]) <= 0
+
+
+def yields_to(records: list[PeerRecord], me: PeerRecord) -> bool:
+    """Two peers that joined at once may have claimed overlapping layers, each before it saw the other.
+    Both see both claims, so both agree on one order: the earlier claim (then the lower peer id) keeps
+    its layers, and the later one chooses again."""
+    return any(
+        r.peer_id != me.peer_id and r.state == PeerState.JOINING and r.start < me.end and me.start < r.end
+        and (r.since, r.peer_id) < (me.since, me.peer_id)
+        for r in map(planned, records)
+    )
+
+
+def unguarded_gap(records: list[PeerRecord], num_layers: int) -> bool:
+    """Is some layer served by nobody, with no warm backup about to take it over? (A serving peer that
+    moved to close a gap a backup closes anyway would only open another.)"""
+    served = layer_throughputs(records, num_layers)
+    guarded = layer_replicas(records, num_layers, (PeerState.BACKUP,))
+    return any(t <= 0 and not g for t, g in zip(served, guarded))

@@ -72,7 +72,7 @@ def free_memory(device: str) -> int:
 
 
 def _cache_path(source: ModelSource, device: str, dtype: torch.dtype) -> Path:
-    return cache_root() / "benchmarks" / f"{safe_name(f'{source.name}-{device}-{dtype}')}.json"
+    return cache_root() / "benchmarks" / f"{safe_name(f'{source.key}-{device}-{dtype}')}.json"
 
 
 def _timed(fn, bar: tqdm) -> float:
@@ -92,7 +92,8 @@ def measure_compute(source: ModelSource, device: str, dtype: torch.dtype) -> Com
     all_threads = torch.get_num_threads()
     thread_options = sorted({1, all_threads}) if device == "cpu" else [all_threads]
     total = DECODE_STEPS * len(thread_options) + 3
-    with tqdm(total=total, desc="benchmarking compute", unit="step", file=sys.stderr, leave=False) as bar:
+    with tqdm(total=total, desc="benchmarking compute", unit="step", file=sys.stderr, leave=False,
+              disable=not sys.stderr.isatty()) as bar:
         caches = {threads: stage.new_cache() for threads in thread_options}
         for cache in caches.values():
             stage.forward(torch.randn(1, PREFILL_TOKENS, hidden, dtype=dtype), 0, cache)

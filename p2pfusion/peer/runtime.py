@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -15,20 +16,22 @@ from pathlib import Path
 
 import torch
 
-from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_stage
 from p2pfusion.net import probe
 from p2pfusion.net.compression import AUTO
 from p2pfusion.net.links import LinkBook
-from p2pfusion.peer.balance import Capacity, Placement, place_peer, stage_most_at_risk
+from p2pfusion.peer.balance import Capacity, Placement, place_peer, reclaim, stage_most_at_risk, yields_to
 from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name
 from p2pfusion.peer.server import StageServer
 
 log = logging.getLogger(__name__)
 
 LINK_PROBES = 3  # peers whose links a joining peer measures
+SETTLE_DELAY = (0.5, 1.5)  # seconds before a joining peer re-checks its claim: a DHT write is seen by then
+SETTLE_ROUNDS = 3
 VERIFY_TTL = 10.0  # seconds our check of a peer that clients reported unreachable is trusted
 
 
@@ -43,6 +46,7 @@ class PeerOptions:
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     host: str = "127.0.0.1"
+    announce_host: str | None = None  # the address other hosts reach this one at
     port: int = 0
     data_port: int = 0
     identity: str | None = None
@@ -53,6 +57,7 @@ class PeerOptions:
     refresh_period: float = 10.0
     watch_period: float = 2.0
     rebalance_period: float = 120.0
+    report_period: float = 60.0  # seconds between the INFO lines on what the peer served
     drain_timeout: float = 10.0
 
 
@@ -60,7 +65,7 @@ class Peer:
     def __init__(self, options: PeerOptions, swarm: SwarmNode):
         self.options = options
         self.swarm = swarm
-        self.model = options.source.name
+        self.model = options.source.key  # the swarm knows a model by its weights, not its name
         self.config = load_config(options.source)
         self.num_layers = self.config.num_hidden_layers
         self.server: StageServer | None = None
@@ -109,6 +114,10 @@ class Peer:
     def _placement(self, records: list[PeerRecord]) -> Placement:
         if self.options.layers is not None:
             return Placement(*self.options.layers, backup=self.options.backup)
+        before = next((r for r in records if r.peer_id == self.swarm.peer_id), None)  # a restart
+        if before is not None and reclaim(records, self.num_layers, self.capacity, self.swarm.peer_id, (before.start, before.end)):
+            log.info("taking back layers %d:%d, which this peer served before its restart", before.start, before.end)
+            return Placement(before.start, before.end)
         if self.options.backup:
             stage = stage_most_at_risk(records, self.num_layers, self.capacity.max_layers)
             if stage is not None:
@@ -131,6 +140,8 @@ class Peer:
             max_length=self.options.max_length, since=time.time(),
         )
         await self.announce()
+        if self.options.layers is None:
+            placement = await self._settle(placement)
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
             stage, self.swarm.transport, self.links, self.options.max_length, self.options.compression,
@@ -140,6 +151,26 @@ class Peer:
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"
         log.info("%s layers %d:%d as %s", role, placement.start, placement.end, self.swarm.peer_id)
+
+    async def _settle(self, placement: Placement) -> Placement:
+        """Look again once our claim is visible: a peer that joined at the same moment may have
+        claimed the same layers, and one of the two must choose again (`yields_to`)."""
+        for _ in range(SETTLE_ROUNDS):
+            await asyncio.sleep(random.uniform(*SETTLE_DELAY))
+            records, _ = await self.live_records()
+            others = [r for r in records if r.peer_id != self.swarm.peer_id]
+            if not yields_to(others, self.record):
+                break
+            again = place_peer(others, self.num_layers, self.capacity, self.swarm.peer_id)
+            if again == placement:
+                break
+            log.info(
+                "another peer claimed layers %d:%d at the same time; taking %d:%d%s instead",
+                placement.start, placement.end, again.start, again.end, " as a backup" if again.backup else "",
+            )
+            placement = again
+            await self.announce(start=again.start, end=again.end)
+        return placement
 
     async def load(self, start: int, end: int):
         log.info("loading layers %d:%d of %s", start, end, self.model)
@@ -155,7 +186,8 @@ class Peer:
         if (self.record.state, self.record.start, self.record.end) != (old.state, old.start, old.end):
             self.record = replace(self.record, since=time.time())
         await self.swarm.announce(self.record)
-        await self.swarm.announce_model(self.model)
+        source = self.options.source
+        await self.swarm.announce_model(ModelEntry(self.model, source.name, self.num_layers, self.config.hidden_size))
 
     async def move(self, start: int, end: int, overlap: bool) -> None:
         """Serve [start, end) instead. With `overlap`, the old range serves until the new one is loaded."""

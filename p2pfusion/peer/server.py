@@ -50,6 +50,7 @@ class StageServer:
         self.peer_id = transport.peer_id
         self.max_length = max_length
         self.tokens_done = 0  # tokens computed since start, for the load this peer announces
+        self.sessions_opened = 0  # since start, for the peer's periodic report
         self.sessions: dict[str, Session] = {}
         self._sinks: dict[str, asyncio.StreamWriter] = {}
         self._sink_ready: dict[str, asyncio.Event] = {}
@@ -98,6 +99,8 @@ class StageServer:
         except RequestError as exc:
             log.warning("rejected a request: %s", exc)
             await _send_quietly(writer, m.Error(message=str(exc)))
+        except ConnectionError as exc:  # expected whenever a client quits mid-session: Ctrl-C, a closed socket
+            log.info("a client went away mid-session (%s: %s)", type(exc).__name__, exc)
         except Exception as exc:  # a bug or a broken connection must cost one request, not the peer
             log.exception("request failed")
             await _send_quietly(writer, m.Error(message=f"internal error on peer: {exc}"))
@@ -109,7 +112,7 @@ class StageServer:
         self._sinks[msg.session_id] = writer
         self._sink_ready.setdefault(msg.session_id, asyncio.Event()).set()
         try:
-            await write_frame(writer, m.to_header(m.Ack()))
+            await _write(writer, m.to_header(m.Ack()))
             await self._serve_gradients(msg.session_id, reader, writer)
         finally:
             self._sinks.pop(msg.session_id, None)
@@ -144,9 +147,10 @@ class StageServer:
         if not session.training:
             session.cache = self.stage.new_cache()
         self.sessions[msg.session_id] = session
+        self.sessions_opened += 1
         try:
             await self._connect_onward(session, msg)
-            await write_frame(writer, m.to_header(m.Ack()))
+            await _write(writer, m.to_header(m.Ack()))
             await self._run_steps(session, reader, writer)
         finally:
             self.sessions.pop(msg.session_id, None)
@@ -178,7 +182,7 @@ class StageServer:
             )
             await write_frame(writer, m.to_header(onward))
             header, _ = await read_frame(reader)
-        except Exception as exc:
+        except Exception as exc:  # libp2p dials fail with assorted types; any of them means that hop is gone
             raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
         m.raise_for_error(m.from_header(header))
         session.downstream, session.next_peer = writer, nxt.peer_id
@@ -205,7 +209,7 @@ class StageServer:
                 inputs = session.check_step(message, tensor)
                 out, seconds = await self._run(self._forward, session, inputs)
             except RequestError as exc:
-                await write_frame(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
+                await _write(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
                 continue
             if session.training:
                 self._keep_graph(inputs)
@@ -218,7 +222,7 @@ class StageServer:
                 onward = m.to_header(dataclasses.replace(message, timings=timings))
                 await self._send_onward(session, onward, session.pack(out))
             else:
-                await write_frame(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
+                await _write(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
 
     async def _on_adapter(self, session: Session, message: m.Adapter, flat: torch.Tensor | None) -> None:
         """Keep this stage's part of the session's parameters; pass the rest on. A bad adapter ends
@@ -313,9 +317,9 @@ class StageServer:
         if param_grads:  # before the input's gradient, so the client has them all when that comes
             entries = [(name, list(g.shape)) for name, g in zip(inputs.adapter.names, param_grads)]
             header = m.to_header(m.ParamGrads(message.step, entries))
-            await write_frame(session.upstream, header, pack(flatten(param_grads)))
+            await _write(session.upstream, header, pack(flatten(param_grads)))
         timings = [*message.timings, (self.peer_id, seconds)]
-        await write_frame(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
+        await _write(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
 
     async def _serve_gradients(self, session_id: str, reader, writer) -> None:
         """On the client's stream to the last hop: take gradients until the client closes it."""
@@ -341,7 +345,7 @@ class StageServer:
                     if header.get("kind") == m.Backward.kind:
                         await self._on_backward(session.session_id, m.from_header(header), tensor, session.upstream)
                     else:  # the hops after us report to the client through us
-                        await write_frame(session.upstream, header, None if tensor is None else pack(tensor))
+                        await _write(session.upstream, header, None if tensor is None else pack(tensor))
                 except FrameError:
                     raise  # the stream is out of step: it ends below
                 except RequestError as exc:  # one bad gradient or message costs its step only
@@ -358,8 +362,19 @@ def _step_of(header: dict) -> int:
     return step if isinstance(step, int) and not isinstance(step, bool) else -1
 
 
+async def _write(writer: asyncio.StreamWriter, header: dict, payload=None) -> None:
+    """A frame towards the client (or the hop before us), which may have gone: its closed connection
+    is a ConnectionError here, whatever raised it (uvloop raises RuntimeError, TLS an OSError)."""
+    try:
+        await write_frame(writer, header, payload)
+    except ConnectionError:
+        raise
+    except (OSError, RuntimeError) as exc:
+        raise ConnectionResetError(f"the connection is closed: {exc}") from exc
+
+
 async def _send_quietly(writer: asyncio.StreamWriter, message) -> None:
     try:
-        await write_frame(writer, m.to_header(message))
-    except (ConnectionError, RuntimeError):
+        await _write(writer, m.to_header(message))
+    except ConnectionError:
         pass

@@ -17,7 +17,8 @@ log = logging.getLogger(__name__)
 async def serve(options: PeerOptions, on_ready=None) -> None:
     """Run a peer until SIGINT or SIGTERM. `on_ready(maddrs)` is called once it serves."""
     swarm = await join_swarm(
-        options.initial_peers, options.host, options.port, options.identity, data_port=options.data_port
+        options.initial_peers, options.host, options.port, options.identity,
+        data_port=options.data_port, announce_host=options.announce_host,
     )
     peer = Peer(options, swarm)
     stop = asyncio.Event()

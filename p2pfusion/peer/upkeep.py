@@ -3,6 +3,7 @@
 - Refresh: re-announce before the record expires, with the load it carried lately.
 - Watch (every few seconds): a backup promotes itself when its stage loses a peer; a serving peer
   moves to close a gap in coverage that nobody else closes.
+- Report (every minute): one INFO line for the peer's operator on what it served lately.
 - Rebalance (every couple of minutes, with random jitter so peers do not all move at once): move
   when the cost model says the swarm gains more than the reload costs.
 Each move is re-checked against fresh records after a random delay: another peer may have acted.
@@ -23,7 +24,7 @@ from p2pfusion.peer.backup import (
     replaced,
     stage_servers,
 )
-from p2pfusion.peer.balance import layer_throughputs, place_peer
+from p2pfusion.peer.balance import layer_throughputs, place_peer, unguarded_gap
 from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.peer.runtime import Peer
 
@@ -40,6 +41,7 @@ class Upkeep:
         self._stage_before: set[str] | None = None
         self._tokens = 0
         self._tick = time.monotonic()
+        self._reported = (0, 0, time.monotonic())  # sessions opened, tokens done, when: at the last report
 
     async def __aenter__(self) -> Upkeep:
         options = self.peer.options
@@ -47,6 +49,7 @@ class Upkeep:
             (self.refresh, options.refresh_period, 0.0),
             (self.watch, options.watch_period, 0.0),
             (self.rebalance, options.rebalance_period, 0.2),  # so peers do not all move at once
+            (self.report, options.report_period, 0.0),
         )]
         return self
 
@@ -73,6 +76,18 @@ class Upkeep:
         load = LOAD_EMA * self.peer.record.load + (1 - LOAD_EMA) * rate
         await self.peer.announce(load=load)
 
+    async def report(self) -> None:
+        server = self.peer.server
+        sessions, tokens, then = self._reported
+        now = time.monotonic()
+        self._reported = (server.sessions_opened, server.tokens_done, now)
+        served = server.tokens_done - tokens
+        log.info(
+            "layers %d:%d: %d sessions open, %d opened and %d tokens served in the last %.0f s (%.1f tokens/s)",
+            self.peer.record.start, self.peer.record.end, len(server.sessions), server.sessions_opened - sessions,
+            served, now - then, served / max(now - then, 1e-9),
+        )
+
     async def _snapshot(self) -> tuple[list[PeerRecord], set[str]]:
         records, gone = await self.peer.live_records()
         mine = self.peer.record
@@ -85,7 +100,7 @@ class Upkeep:
         mine = self.peer.record
         if mine.state == PeerState.BACKUP:
             await self._watch_stage(records, gone)
-        elif mine.state == PeerState.ONLINE and min(layer_throughputs(records, self.peer.num_layers)) <= 0:
+        elif mine.state == PeerState.ONLINE and unguarded_gap(records, self.peer.num_layers):
             await self._maybe_move(min_gain=0.0)
 
     async def _watch_stage(self, records: list[PeerRecord], gone: set[str]) -> None:

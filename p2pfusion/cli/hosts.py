@@ -1,0 +1,103 @@
+"""Separate hosts on one machine: each in its own network namespace, with its own IP on a bridge.
+
+The bridge lives in the caller's namespace, which is a host too (address .1), so a client run
+there reaches the peers only across real interfaces, and each peer reaches every other the same
+way. Links can be shaped to a rate (`tc qdisc tbf` on both ends of each veth). Tests, benchmarks
+and scripts use it; it needs root and iproute2, and removes what it made when it exits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+from p2pfusion.errors import RouteError
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def namespaces_unavailable() -> str | None:
+    """Why this machine cannot make test hosts, or None when it can."""
+    if os.geteuid() != 0:
+        return "making network namespaces needs root"
+    if shutil.which("ip") is None:
+        return "iproute2 (the `ip` command) is not installed"
+    probe = subprocess.run(["ip", "netns", "add", "p2pfprobe"], capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"this kernel or sandbox refuses network namespaces: {probe.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", "p2pfprobe"], capture_output=True)
+    return None
+
+
+class HostNetwork:
+    """`hosts` namespaces named `<prefix><i>` at `<subnet>.<11 + i>`, on bridge `<prefix>br` at `<subnet>.1`."""
+
+    def __init__(self, hosts: int, prefix: str = "p2pfh", subnet: str = "10.78.0", mbit: int | None = None):
+        self.hosts, self.prefix, self.subnet, self.mbit = hosts, prefix, subnet, mbit
+        self.bridge = f"{prefix}br"
+
+    @property
+    def gateway(self) -> str:
+        """The address of the caller's own namespace on the bridge."""
+        return f"{self.subnet}.1"
+
+    def host(self, i: int) -> str:
+        return f"{self.subnet}.{11 + i}"
+
+    def namespace(self, i: int) -> str:
+        return f"{self.prefix}{i}"
+
+    def prefix_of(self, i: int) -> list[str]:
+        """The command prefix that runs a program on host `i`."""
+        return ["ip", "netns", "exec", self.namespace(i)]
+
+    def bytes_sent(self, i: int) -> int:
+        """Bytes host `i` has sent through its interface (its end of the veth)."""
+        out = subprocess.run(
+            [*self.prefix_of(i), "cat", f"/sys/class/net/{self._inside(i)}/statistics/tx_bytes"],
+            check=True, capture_output=True, text=True,
+        )
+        return int(out.stdout)
+
+    def _inside(self, i: int) -> str:
+        return f"{self.prefix}e{i}"
+
+    def _shape(self, device: str, namespace: str | None) -> None:
+        burst = max(self.mbit * 1250, 16000)  # bytes: 10 ms at the rate, at least a few packets
+        cmd = ["tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", f"{self.mbit}mbit",
+               "burst", str(burst), "latency", "400ms"]
+        subprocess.run((["ip", "netns", "exec", namespace] if namespace else []) + cmd, check=True, capture_output=True)
+
+    def __enter__(self) -> HostNetwork:
+        reason = namespaces_unavailable()
+        if reason is not None:
+            raise RouteError(f"cannot make test hosts: {reason}")
+        self.__exit__()
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+            for i in range(self.hosts):
+                ns, outside, inside = self.namespace(i), f"{self.prefix}v{i}", self._inside(i)
+                _ip("netns", "add", ns)
+                _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+                _ip("link", "set", inside, "netns", ns)
+                _ip("link", "set", outside, "master", self.bridge, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", ns, "addr", "add", f"{self.host(i)}/24", "dev", inside)
+                _ip("-n", ns, "link", "set", inside, "up")
+                if self.mbit is not None:
+                    self._shape(outside, None)  # toward the host
+                    self._shape(inside, ns)  # from the host
+        except subprocess.CalledProcessError as exc:
+            self.__exit__()
+            raise RouteError(f"cannot make test hosts: {' '.join(exc.cmd)}: {exc.stderr.decode().strip()}") from exc
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for i in range(self.hosts):
+            subprocess.run(["ip", "netns", "del", self.namespace(i)], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

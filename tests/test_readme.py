@@ -1,0 +1,36 @@
+"""The README's Python snippets run as written, against a real local swarm of the default model."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def python_blocks() -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+@pytest.mark.slow
+def test_readme_python_snippets_run(default_model, tmp_path):
+    blocks = python_blocks()
+    assert blocks
+    with LocalSwarm(model=None) as swarm:
+        swarm.start(even_ranges(30, 3))
+        # the README's first peer writes its addresses with `--address-file peer1.addr`
+        shutil.copy(swarm.workdir / "peer0.addr", tmp_path / "peer1.addr")
+        for i, block in enumerate(blocks):
+            script = tmp_path / f"readme_{i}.py"
+            script.write_text(block)
+            proc = subprocess.run(
+                [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+            )
+            assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "my-adapter" / "adapter_config.json").is_file()
+    assert proc.stdout.startswith("The capital of Zorvia is")
