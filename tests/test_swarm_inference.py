@@ -43,13 +43,15 @@ async def _default_generation(source, ids):
     async with running_peers(source, [(0, 10), (10, 20), (20, 30)]) as (_, maddrs):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
-            model = RemoteCausalLM(source, swarm)
+            # hidden states compared to 1e-4 must travel raw: `auto` may take float16 on a link that
+            # measured slow while this 2-core machine was busy (greedy tokens stay exact with it)
+            model = RemoteCausalLM(source, swarm, compression="none")
             session = await model.open_session(len(ids) + 1)
             try:
                 final = await session.step(model.embed(ids))
             finally:
                 await session.close()
-            generated = await model.generate(ids, max_new_tokens=32, temperature=0.0)
+            generated = await RemoteCausalLM(source, swarm).generate(ids, max_new_tokens=32, temperature=0.0)
         finally:
             await swarm.shutdown()
     return final, generated, model
