@@ -177,10 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     joining = peer.add_mutually_exclusive_group(required=True)
     joining.add_argument("--new-swarm", action="store_true", help="start a new swarm with this peer")
     joining.add_argument("--initial-peers", **INITIAL_PEERS)
-    peer.add_argument("--layers", type=layer_range, metavar="START:END", help="layers to serve")
+    peer.add_argument(
+        "--layers", type=layer_range, metavar="START:END",
+        help="layers to serve (default: those that help the swarm most, or a warm backup's once every layer is served)",
+    )
     peer.add_argument(
         "--max-layers", type=whole_number(1), metavar="N",
-        help="serve at most this many layers when --layers is not given",
+        help="serve at most this many layers when --layers is not given (default: as many as fit in memory)",
     )
     peer.add_argument("--backup", action="store_true", help="keep a stage warm and take over when its peer leaves")
     peer.add_argument(
@@ -204,7 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--data-port", type=PORT, default=0, metavar="N",
         help="TCP port of direct TLS connections for hidden states; 0 picks a free one",
     )
-    peer.add_argument("--identity", metavar="PATH", help="file holding this peer's key (created if missing)")
+    peer.add_argument(
+        "--identity", metavar="PATH",
+        help="file holding this peer's key, created if missing (mode 0600; its TLS certificate goes in PATH.tls): "
+        "the peer keeps its id, address and layers across restarts (default: a new key each run)",
+    )
     peer.add_argument("--address-file", type=Path, metavar="PATH", help="write this peer's multiaddrs here once serving")
     peer.add_argument(
         "--max-length", type=whole_number(1), default=2048, metavar="N",
@@ -228,7 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     view = _command(sub, "swarm", "show a swarm's stages, peers and bottleneck")
     view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
-    view.add_argument("--model", help="show only this model (default: every model served)")
+    view.add_argument(
+        "--model", metavar="KEY|NAME|PATH",
+        help="show only this model: its swarm key, its name, or a local model (matched by its weights); "
+        "default: every model the swarm serves",
+    )
     view.add_argument("--json", action="store_true", help="print JSON for scripts")
     view.add_argument("--no-probe", dest="probe", action="store_false", help="do not time each peer from here")
 
