@@ -87,7 +87,7 @@ async def infer(args, started: float) -> None:
         raise RequestError("the prompt is empty")
     model = client_model(args)
     ids = model.encode(args.prompt, args.chat)
-    log.info("loaded %s in %.1f s; the prompt is %d tokens", model.source.name, time.perf_counter() - started, len(ids))
+    log.info("loaded %s in %.1f s; prompt: %d tokens", model.source.name, time.perf_counter() - started, len(ids))
     swarm = await join(model, args.initial_peers)
     try:
         decoder = StreamingDecoder(model.tokenizer)
