@@ -166,8 +166,11 @@ def test_simultaneous_joiners_agree_on_who_chooses_again():
     assert yields_to([first, second], second) and not yields_to([first, second], first)
     tie_a, tie_b = rec(10, 30, PeerState.JOINING, name="a", since=5.0), rec(10, 20, PeerState.JOINING, name="b", since=5.0)
     assert yields_to([tie_a, tie_b], tie_b) != yields_to([tie_a, tie_b], tie_a)
-    # a peer serving already was seen when the claim was made: no reason to choose again
-    assert not yields_to([rec(10, 30, name="old", since=1.0), second], second)
+    # the earlier claimant may have loaded its layers by the time the later one looks again
+    assert yields_to([rec(10, 30, name="x", since=100.0), second], second)
+    # a backup, or a peer whose layers do not overlap, is no rival
+    assert not yields_to([rec(10, 30, PeerState.BACKUP, name="x", since=1.0), second], second)
+    assert not yields_to([rec(0, 10, name="x", since=1.0), second], second)
     # the loser's new choice takes the winner's claim into account
     me = Capacity(compute_rate=20.0, network_rate=None, max_layers=20)
     others = [rec(0, 10, throughput=1.0, name="a"), first]

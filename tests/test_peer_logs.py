@@ -43,16 +43,18 @@ def test_a_client_that_dies_mid_session_is_one_info_line(tiny_models):
         swarm.wait_ready(first)
         swarm.wait_ready(swarm.launch((2, 4), ["--throughput", "100"]))
         subprocess.run([sys.executable, "-c", DYING_CLIENT, folder, swarm.maddrs[0]], check=True, timeout=120)
-        last = swarm.workdir / "peer1.log"  # it writes results to the client, which is gone
+        # the first peer sees its client's stream end without a close; the last may also fail to
+        # write a result to the client's output stream, whichever comes first
+        first_log = swarm.workdir / "peer0.log"
         deadline = time.monotonic() + 30
-        while "went away" not in last.read_text() and time.monotonic() < deadline:
+        while "went away" not in first_log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
     logs = [(swarm.workdir / f"peer{i}.log").read_text() for i in range(2)]
     for log in logs:
         assert "Traceback" not in log and " ERROR " not in log, log
         assert "\r" not in log and "%|" not in log  # no progress bars in a log file
-    went_away = [line for line in logs[1].splitlines() if "a client went away mid-session" in line]
-    assert len(went_away) == 1 and " INFO " in went_away[0], logs[1]
+    went_away = [line for log in logs for line in log.splitlines() if "a client went away mid-session" in line]
+    assert 1 <= len(went_away) <= 2 and all(" INFO " in line for line in went_away), logs
 
 
 async def _served_and_reported(source):

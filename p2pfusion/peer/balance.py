@@ -189,9 +189,11 @@ def reclaim(records: list[PeerRecord], num_layers: int, me: Capacity, peer_id: s
 def yields_to(records: list[PeerRecord], me: PeerRecord) -> bool:
     """Two peers that joined at once may have claimed overlapping layers, each before it saw the other.
     Both see both claims, so both agree on one order: the earlier claim (then the lower peer id) keeps
-    its layers, and the later one chooses again."""
+    its layers, and the later one chooses again. A claim's time is its record's `since`, which a
+    finished load keeps, so the earlier claimant may already serve. (A peer that served before our
+    claim was counted when we chose: choosing again gives the same layers.)"""
     return any(
-        r.peer_id != me.peer_id and r.state == PeerState.JOINING and r.start < me.end and me.start < r.end
+        r.peer_id != me.peer_id and r.serving and r.start < me.end and me.start < r.end
         and (r.since, r.peer_id) < (me.since, me.peer_id)
         for r in map(planned, records)
     )

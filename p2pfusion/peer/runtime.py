@@ -183,8 +183,11 @@ class Peer:
         """Publish this peer's record (with any changes) to the DHT, and list its model."""
         old = self.record
         self.record = replace(old, **changes)
-        if (self.record.state, self.record.start, self.record.end) != (old.state, old.start, old.end):
-            self.record = replace(self.record, since=time.time())
+        new = self.record
+        loaded = old.state == PeerState.JOINING and new.state in (PeerState.ONLINE, PeerState.BACKUP)
+        if (new.start, new.end) != (old.start, old.end) or (new.state != old.state and not loaded):
+            # finishing a load keeps the claim's time: joiners order their claims by it (yields_to)
+            self.record = replace(new, since=time.time())
         await self.swarm.announce(self.record)
         source = self.options.source
         await self.swarm.announce_model(ModelEntry(self.model, source.name, self.num_layers, self.config.hidden_size))

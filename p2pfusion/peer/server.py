@@ -192,7 +192,8 @@ class StageServer:
         while True:
             try:
                 header, tensor = await read_frame(reader)
-            except EOFError:
+            except EOFError:  # a hop before us sends Close; a stream that just ends lost its client
+                log.info("a client went away mid-session (session %s ended without a close)", session.session_id[:8])
                 return
             except BadTensor as exc:
                 await _send_quietly(writer, m.Error(message=str(exc), step=_step_of(exc.header)))
