@@ -35,7 +35,6 @@ from p2pfusion.models.source import resolve_model
 
 PEERS = 3
 SUBNET = "10.77.0"
-GATEWAY = f"{SUBNET}.1"  # the client's address on the peers' bridge
 INFERENCE_CODECS = ["none", "float16", "bfloat16", "int8", "auto"]
 TRAINING_CODECS = ["none", "bfloat16", "int8", "topk", "auto"]
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -55,9 +54,9 @@ async def _timed(coroutine) -> float:
     return time.perf_counter() - t0
 
 
-async def measure(source, maddrs: list[str], ids: list[int], batch: torch.Tensor, args) -> dict[str, list]:
+async def measure(source, maddrs: list[str], gateway: str, ids: list[int], batch: torch.Tensor, args) -> dict[str, list]:
     """Per codec: [generation tok/s, forward seconds, training step seconds], None where not applicable."""
-    client = await join_swarm(maddrs, host=GATEWAY, client_mode=True)
+    client = await join_swarm(maddrs, host=gateway, client_mode=True)
     results = {}
     try:
         for codec in dict.fromkeys(INFERENCE_CODECS + TRAINING_CODECS):
@@ -103,7 +102,7 @@ def main() -> None:
         with HostNetwork(PEERS, prefix="p2pfslow", subnet=SUBNET, mbit=mbit) as network:
             swarm = start_swarm(network, model.config.num_hidden_layers)
             try:
-                table[mbit] = uvloop.run(measure(source, swarm.maddrs, ids, batch, args))
+                table[mbit] = uvloop.run(measure(source, swarm.maddrs, network.gateway, ids, batch, args))
             finally:
                 swarm.stop()
     print(f"{'link':>9} {'codec':9} {'generation tok/s':>17} {'forward 4x128 s':>16} {'train step 4x128 s':>19}")

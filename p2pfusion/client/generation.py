@@ -38,6 +38,18 @@ def load_tokenizer(source: ModelSource):
         raise ModelError(f"cannot load the tokenizer of {source.name}: {exc}") from exc
 
 
+def new_tokens_within(prompt: int, wanted: int, limit: int) -> int:
+    """How many of the `wanted` new tokens fit after a `prompt` of that many tokens in the swarm's
+    `limit`: a prompt that fills it is refused, and a generation that would pass it is cut there,
+    with a warning, as transformers stops at max_length."""
+    if prompt >= limit:
+        raise RequestError(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
+    if prompt + wanted > limit:
+        log.warning("the swarm accepts %d tokens: generating %d new tokens, not %d", limit, limit - prompt, wanted)
+        return limit - prompt
+    return wanted
+
+
 async def length_limit(access: SwarmAccess, positions: int) -> int:
     """The longest sequence a session can hold now (soft prompt included): the model's `positions`,
     or less where the peers of every route accept less."""
@@ -268,15 +280,7 @@ class Conversation:
         soft = None if model.adapter is None else model.adapter.soft_prompt
         reserved = 0 if soft is None else soft.shape[0]  # positions the soft prompt takes
         limit = self.limit if self.session is not None else await model.length_limit() - reserved
-        if len(input_ids) >= limit:
-            raise RequestError(f"prompt too long: {len(input_ids)} tokens, the swarm accepts {limit}")
-        total = len(input_ids) + max_new_tokens
-        if total > limit:  # as transformers does past max_length
-            log.warning(
-                "the swarm accepts %d tokens: generating %d new tokens, not %d",
-                limit, limit - len(input_ids), max_new_tokens,
-            )
-            total = limit
+        total = len(input_ids) + new_tokens_within(len(input_ids), max_new_tokens, limit)
         if self.session is None:
             self.session = await model.open_session((limit if self.keep else total) + reserved)
             self.limit, new = limit, input_ids

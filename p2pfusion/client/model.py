@@ -10,7 +10,6 @@ trainable parameters (soft prompts, deep prompts, LoRA).
 
 from __future__ import annotations
 
-import logging
 from functools import cached_property
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from p2pfusion.client.adapters import Adapter, RemoteParameters, TuningConfig
 from p2pfusion.client.failover import ResilientSession
-from p2pfusion.client.generation import load_tokenizer
+from p2pfusion.client.generation import load_tokenizer, new_tokens_within
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.remote_layers import RemoteLayers, SwarmClient
 from p2pfusion.dht.swarm import join_swarm
@@ -30,8 +29,6 @@ from p2pfusion.models.adapters import DEFAULT_LORA_TARGETS
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
-
-log = logging.getLogger(__name__)
 
 
 class RemoteCache(Cache):
@@ -194,14 +191,12 @@ class DistributedModelMixin:
         reserved = 0 if adapter is None else adapter.prompt_length  # positions the soft prompt takes
         limit = client.run(client.length_limit()) - reserved
         prompt = _prompt_length(args, kwargs)
-        if prompt >= limit:
-            raise RequestError(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
         wanted = kwargs.get("max_new_tokens", config.max_new_tokens)
         if wanted is None:
             wanted = kwargs.get("max_length", config.max_length) - prompt
-        if prompt + wanted > limit:  # as transformers caps at max_length
-            log.warning("the swarm accepts %d tokens: generating %d new tokens, not %d", limit, limit - prompt, wanted)
-            kwargs["max_new_tokens"] = wanted = limit - prompt
+        fits = new_tokens_within(prompt, wanted, limit)
+        if fits < wanted:
+            kwargs["max_new_tokens"] = wanted = fits
         params = None if adapter is None else adapter.remote_parameters()
         cache = RemoteCache(client, params, prompt + wanted + reserved)
         try:
