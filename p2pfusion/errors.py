@@ -23,3 +23,12 @@ class PeerFailed(RouteError):
     def __init__(self, message: str, peer_id: str | None):
         super().__init__(message)
         self.peer_id = peer_id
+
+
+class PeerBusy(PeerFailed):
+    """A peer has no room now (its memory, or this client's share of it): try another peer, or
+    later. Not a fault: the client does not ban it."""
+
+
+class SessionExpired(PeerFailed):
+    """A peer closed a session that sat idle: the client opens it again and replays. Not a fault."""

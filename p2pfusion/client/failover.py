@@ -173,6 +173,23 @@ class ResilientSession:
             self.history.append((hidden, positions))
             return out[:, -hidden.shape[1]:] if replay else out
 
+    async def rewind(self, length: int) -> None:
+        """Forget every step past the first `length` positions: the next step opens a new route and
+        replays the kept history (a verifier found the later outputs wrong)."""
+        kept, position = [], 0
+        for hidden, positions in self.history:
+            take = min(hidden.shape[1], length - position)
+            if take <= 0:
+                break
+            kept.append((hidden[:, :take], None if positions is None else positions[:, :take]))
+            position += take
+        self.history = kept
+        await self.drop()
+
+    @property
+    def position(self) -> int:
+        return sum(hidden.shape[1] for hidden, _ in self.history)
+
     def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor | None):
         """The whole history and the new step as one step, with every token's position id."""
         steps = [*self.history, (hidden, positions)]

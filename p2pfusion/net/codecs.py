@@ -159,9 +159,9 @@ def _view(body: memoryview, offset: int, size: int, dtype: torch.dtype) -> torch
     return torch.frombuffer(body, dtype=raw_dtype, count=size // dtype.itemsize, offset=offset).view(dtype)
 
 
-def unpack(spec: Any, body: bytearray | memoryview) -> torch.Tensor:
+def unpack(spec: Any, body: bytearray | memoryview, max_decoded: int = MAX_DECODED_BYTES) -> torch.Tensor:
     """Rebuild a tensor from a frame's description and its writable body, which the result may
-    share; CodecError on anything inconsistent."""
+    share; CodecError on anything inconsistent, or on a tensor over `max_decoded` bytes."""
     if not isinstance(spec, dict):
         raise CodecError("malformed tensor description in frame header")
     try:
@@ -176,7 +176,7 @@ def unpack(spec: Any, body: bytearray | memoryview) -> torch.Tensor:
         raise CodecError(f"invalid tensor shape {shape!r}")
     count = math.prod(shape)
     body = memoryview(body).cast("B")
-    if count * dtype.itemsize > min(MAX_DECODED_BYTES, max(1 << 20, MAX_EXPANSION * body.nbytes)):
+    if count * dtype.itemsize > min(max_decoded, MAX_DECODED_BYTES, max(1 << 20, MAX_EXPANSION * body.nbytes)):
         raise CodecError(f"a tensor of shape {shape} is too large for a {body.nbytes} B frame")
     if codec != Codec.NONE and not dtype.is_floating_point:
         raise CodecError(f"codec {codec.value} does not apply to {spec['dtype']}")

@@ -10,17 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 
 from p2pfusion.errors import RequestError
-from p2pfusion.net.codecs import CodecError, Packed, pack, unpack
+from p2pfusion.net.codecs import MAX_DECODED_BYTES, CodecError, Packed, pack, unpack
 
 PREFIX = struct.Struct("!IQ")
 MAX_HEADER_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 31
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """What one stream may send: checked on the 12-byte prefix (header and body sizes), then on the
+    header (only `tensor_kinds` may carry a body), then on the tensor's declared size (at most
+    `decoded` bytes once decoded), each before the bytes are read or allocated."""
+
+    header: int = MAX_HEADER_BYTES
+    body: int = MAX_BODY_BYTES
+    decoded: int = MAX_DECODED_BYTES
+    tensor_kinds: frozenset[str] | None = None  # None: any kind may carry a tensor
+
+
+UNLIMITED = FrameLimits()
 
 
 class FrameError(RequestError):
@@ -54,8 +70,11 @@ async def write_frame(
     await writer.drain()
 
 
-async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], torch.Tensor | None]:
-    """Read one frame. Raises EOFError at a clean end of stream, FrameError on garbage."""
+async def read_frame(
+    reader: asyncio.StreamReader, limits: FrameLimits = UNLIMITED
+) -> tuple[dict[str, Any], torch.Tensor | None]:
+    """Read one frame within `limits`. Raises EOFError at a clean end of stream, FrameError on
+    garbage or on a frame over its limits."""
     try:
         prefix = await reader.readexactly(PREFIX.size)
     except asyncio.IncompleteReadError as exc:
@@ -63,12 +82,13 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], torc
             raise EOFError from exc
         raise FrameError("stream ended inside a frame prefix") from exc
     header_len, body_len = PREFIX.unpack(prefix)
-    if header_len > MAX_HEADER_BYTES or body_len > MAX_BODY_BYTES:
-        raise FrameError(f"frame too large (header {header_len} B, body {body_len} B)")
+    if header_len > limits.header or body_len > limits.body:
+        raise FrameError(
+            f"frame too large (header {header_len} B, body {body_len} B; this stream allows "
+            f"{limits.header} B and {limits.body} B)"
+        )
     try:
         packed = await reader.readexactly(header_len)
-        # a buffer of its own, so the tensor decoded from it is an ordinary writable one
-        body = bytearray(await reader.readexactly(body_len)) if body_len else bytearray()
     except asyncio.IncompleteReadError as exc:
         raise FrameError("stream ended inside a frame") from exc
     try:
@@ -77,12 +97,19 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[dict[str, Any], torc
         raise FrameError(f"undecodable frame header: {exc}") from exc
     if not isinstance(header, dict):
         raise FrameError("frame header is not a map")
+    if body_len and limits.tensor_kinds is not None and header.get("kind") not in limits.tensor_kinds:
+        raise FrameError(f"a {str(header.get('kind'))[:40]!r} frame carries no body, got {body_len} B")
+    try:
+        # a buffer of its own, so the tensor decoded from it is an ordinary writable one
+        body = bytearray(await reader.readexactly(body_len)) if body_len else bytearray()
+    except asyncio.IncompleteReadError as exc:
+        raise FrameError("stream ended inside a frame") from exc
     spec = header.pop("tensor", None)
     if spec is None:
         if body:
             raise FrameError("frame has a body but no tensor description")
         return header, None
     try:
-        return header, unpack(spec, body)
+        return header, unpack(spec, body, limits.decoded)
     except CodecError as exc:
         raise BadTensor(str(exc), header) from exc

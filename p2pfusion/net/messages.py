@@ -16,7 +16,11 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
    An error that names `failed_peer` means that peer is gone: the client routes around it.
 7. A peer that is leaving sends `Leaving` upstream once its steps in flight are done, so the
    client moves its session before its next step, with no error.
-Each hop adds its own compute time to a step's `timings`, so the client learns per-peer speeds.
+8. `Ping` on a fresh stream asks a peer whether it serves: `Ack`, or an `Error` naming itself
+   when it is leaving. A client confirms with it what one peer says about another.
+Each hop adds its own compute time to a step's `timings`, for logs; routing never trusts them.
+An `Error` may carry a `code`: "busy" (no room now: try another peer, or later) or "expired"
+(the session sat idle and was closed: open it again). Neither is a fault of the peer.
 """
 
 from __future__ import annotations
@@ -24,12 +28,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from p2pfusion.errors import PeerFailed, RequestError
+from p2pfusion.errors import PeerBusy, PeerFailed, RequestError, SessionExpired
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, parse_compression
 
 PROTOCOL = "p2pfusion.inference.v3"
 MAX_STEP_TOKENS = 8192  # batch x tokens of one step: bounds a peer's memory per step
 MAX_SAVED = 8  # training steps a peer keeps awaiting their backward pass, per session
+BUSY = "busy"
+EXPIRED = "expired"
+ERROR_CODES = (BUSY, EXPIRED)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Open:
     purpose: Purpose = Purpose.INFERENCE
     link: LinkSpeed | None = None  # between the sender of this Open and its receiver (for gradients)
     client_link: LinkSpeed | None = None  # between the client and the last hop (for results)
+    batch: int = 1  # the most sequences a step may carry: the peer reserves batch x max_length of KV
 
 
 @dataclass(frozen=True)
@@ -121,6 +129,7 @@ class Error:
     message: str
     step: int = -1
     failed_peer: str | None = None
+    code: str | None = None  # BUSY or EXPIRED: not a fault, see the module's docstring
 
 
 @dataclass(frozen=True)
@@ -134,10 +143,16 @@ class Close:
     kind: ClassVar[str] = "close"
 
 
+@dataclass(frozen=True)
+class Ping:
+    kind: ClassVar[str] = "ping"
+
+
 MESSAGES = {
     cls.kind: cls
-    for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving, Adapter, ParamGrads)
+    for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving, Adapter, ParamGrads, Ping)
 }
+TENSOR_KINDS = frozenset({Step.kind, Result.kind, Backward.kind, Adapter.kind, ParamGrads.kind})
 
 
 def to_header(message: Any) -> dict[str, Any]:
@@ -153,13 +168,27 @@ def _typed(value: Any, expected: type, name: str) -> Any:
     return value
 
 
+MAX_ROUTE = 256  # hops in one route
+MAX_HOP_ADDRS = 8  # a peer dials at most MAX_DIALED of them, and only those its next hop announced
+MAX_ID = 128  # characters of a peer or session id
+
+
+def _short(value: Any, name: str) -> str:
+    text = _typed(value, str, name)
+    if not 0 < len(text) <= MAX_ID:
+        raise RequestError(f"field {name!r} must be 1 to {MAX_ID} characters")
+    return text
+
+
 def _hop(raw: Any) -> Hop:
     if not isinstance(raw, dict):
         raise RequestError("route entries must be maps")
     addrs = _typed(raw.get("data_addrs"), list, "data_addrs")
+    if len(addrs) > MAX_HOP_ADDRS:
+        raise RequestError(f"a hop lists at most {MAX_HOP_ADDRS} data addresses, got {len(addrs)}")
     return Hop(
-        peer_id=_typed(raw.get("peer_id"), str, "peer_id"),
-        data_addrs=[_typed(a, str, "data_addrs") for a in addrs],
+        peer_id=_short(raw.get("peer_id"), "peer_id"),
+        data_addrs=[_typed(a, str, "data_addrs")[:MAX_ID] for a in addrs],
         start=_typed(raw.get("start"), int, "start"),
         end=_typed(raw.get("end"), int, "end"),
     )
@@ -172,6 +201,8 @@ def from_header(header: dict[str, Any]) -> Any:
         raise RequestError(f"unknown message kind {header.get('kind')!r}")
     if cls is Open:
         route = _typed(header.get("route"), list, "route")
+        if len(route) > MAX_ROUTE:
+            raise RequestError(f"a route has at most {MAX_ROUTE} hops, got {len(route)}")
         try:
             compression = parse_compression(_typed(header.get("compression", AUTO), str, "compression"))
         except ValueError as exc:
@@ -181,16 +212,17 @@ def from_header(header: dict[str, Any]) -> Any:
         except ValueError:
             raise RequestError(f"unknown session purpose {header.get('purpose')!r}") from None
         return Open(
-            session_id=_typed(header.get("session_id"), str, "session_id"),
+            session_id=_short(header.get("session_id"), "session_id"),
             max_length=_typed(header.get("max_length"), int, "max_length"),
             route=[_hop(h) for h in route],
             compression=compression,
             purpose=purpose,
             link=_link(header.get("link"), "link"),
             client_link=_link(header.get("client_link"), "client_link"),
+            batch=_typed(header.get("batch", 1), int, "batch"),
         )
     if cls is Subscribe:
-        return Subscribe(session_id=_typed(header.get("session_id"), str, "session_id"))
+        return Subscribe(session_id=_short(header.get("session_id"), "session_id"))
     if cls is Step:
         return Step(
             step=_typed(header.get("step"), int, "step"),
@@ -211,14 +243,15 @@ def from_header(header: dict[str, Any]) -> Any:
         entries = [_entry(e) for e in _typed(header.get("entries"), list, "entries")]
         return ParamGrads(step=_typed(header.get("step"), int, "step"), entries=entries)
     if cls is Error:
-        failed = header.get("failed_peer")
+        failed, code = header.get("failed_peer"), header.get("code")
         return Error(
-            message=str(header.get("message")),
+            message=str(header.get("message"))[:MAX_ERROR_TEXT],
             step=_typed(header.get("step", -1), int, "step"),
-            failed_peer=None if failed is None else _typed(failed, str, "failed_peer"),
+            failed_peer=None if failed is None else _short(failed, "failed_peer"),
+            code=code if code in ERROR_CODES else None,
         )
     if cls is Leaving:
-        return Leaving(peer_id=_typed(header.get("peer_id"), str, "peer_id"))
+        return Leaving(peer_id=_short(header.get("peer_id"), "peer_id"))
     return cls()
 
 
@@ -238,9 +271,17 @@ def _entry(raw: Any) -> tuple[str, list[int]]:
     return _typed(raw[0], str, "entries name"), shape
 
 
+MAX_ERROR_TEXT = 500  # error texts reach users' terminals and logs
+
+
 def raise_for_error(reply: Any) -> None:
-    """Raise an Error reply: PeerFailed when it names a failed peer (route around it), else RequestError."""
+    """Raise an Error reply: PeerBusy or SessionExpired by its code, PeerFailed when it names a
+    failed peer (route around it), else RequestError."""
     if isinstance(reply, Error):
+        if reply.code == BUSY:
+            raise PeerBusy(reply.message, reply.failed_peer)
+        if reply.code == EXPIRED:
+            raise SessionExpired(reply.message, reply.failed_peer)
         if reply.failed_peer is not None:
             raise PeerFailed(reply.message, reply.failed_peer)
         raise RequestError(reply.message)
@@ -271,12 +312,11 @@ def _link(raw: Any, name: str) -> LinkSpeed | None:
 
 def _timings(raw: Any) -> list[tuple[str, float]]:
     entries = _typed(raw, list, "timings")
+    if len(entries) > MAX_ROUTE:
+        raise RequestError(f"timings list at most {MAX_ROUTE} hops")
     out = []
     for entry in entries:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
             raise RequestError("timings entries must be [peer_id, seconds]")
-        seconds = entry[1]
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool):
-            raise RequestError("timings seconds must be a number")
-        out.append((_typed(entry[0], str, "timings"), float(seconds)))
+        out.append((_short(entry[0], "timings"), _non_negative(entry[1], "timings seconds")))
     return out

@@ -89,6 +89,9 @@ class StageServer:
                 await self._serve_subscriber(message, reader, writer)
             elif isinstance(message, m.Open):
                 await self._serve_session(message, reader, writer)
+            elif isinstance(message, m.Ping):
+                reply = m.Error("this peer is leaving the swarm", failed_peer=self.peer_id) if self.draining else m.Ack()
+                await _write(writer, m.to_header(reply))
             else:
                 raise RequestError(f"unknown session: a {message.kind!r} message came before 'open'")
         except EOFError:
