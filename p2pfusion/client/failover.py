@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,6 +50,9 @@ class SwarmAccess:
     health: PeerHealth
     links: LinkBook
     compression: str = AUTO
+    # peers this client will not route through: caught computing wrong results, by its own
+    # verification or by enough other clients' reports (p2pfusion.client.verify)
+    distrusted: set[str] = field(default_factory=set)
 
     def session(
         self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE
@@ -90,7 +93,7 @@ class ResilientSession:
                 access = self.access
                 records = await model_records(access.swarm, access.model, access.name)
                 self._known = {r.peer_id: r for r in records}
-                avoid = access.health.banned(records) | self._avoided(records)
+                avoid = access.health.banned(records) | self._avoided(records) | access.distrusted
                 route = find_route(records, access.num_layers, access.health.observed, avoid, recovering, self.max_length)
                 self.session = await InferenceSession(
                     access.swarm.transport, route, self.max_length, access.compression, access.links, self.purpose
