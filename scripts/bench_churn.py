@@ -63,7 +63,7 @@ def _launch(swarm: LocalSwarm, setup: str):
 async def _generate(source, maddrs, tokens, victim):
     client = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM(source, client, verify=0.0)  # the stall of failover alone
         ids = model.encode(PROMPT, chat=True)
         stamps = []
 

@@ -45,6 +45,9 @@ async def run_peer(args, device: str) -> None:
         max_length=args.max_length,
         compression=args.compression,
         training_memory=args.training_memory,
+        session_memory=args.session_memory,
+        client_sessions=args.sessions_per_client,
+        idle_timeout=float(args.idle_timeout),
     )
 
     def ready(maddrs: list[str]) -> None:
@@ -68,7 +71,7 @@ def _check_device(device: str) -> None:
 
 def client_model(args) -> RemoteCausalLM:
     """The client's part of the model (embeddings, head, tokenizer) and the user's adapter."""
-    model = RemoteCausalLM(resolve_model(args.model), compression=args.compression)
+    model = RemoteCausalLM(resolve_model(args.model), compression=args.compression, verify=args.verify)
     if args.adapter is not None:
         model.adapter = Adapter.load(args.adapter, model.config, model.source)
     return model

@@ -119,6 +119,16 @@ INITIAL_PEERS = dict(
 )
 
 
+def probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a probability from 0 to 1, got {text!r}")
+    return value
+
+
 def compression(text: str) -> str:
     if text == "auto":  # the default, parsed on every run: checking it must not import torch (the codecs do)
         return text
@@ -161,6 +171,10 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     )
     command.add_argument("--seed", type=whole_number(0), metavar="N", help="seed of the sampler (with --temperature)")
     command.add_argument("--compression", **COMPRESSION)
+    command.add_argument(
+        "--verify", type=probability, default=0.05, metavar="RATE",
+        help="chance that a step's results are checked against other peers (0: never); a generation's end always is",
+    )
     command.add_argument("--adapter", type=Path, metavar="PATH", help="a trained adapter (PEFT format) to generate with")
 
 
@@ -222,6 +236,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--training-memory", type=mebibytes, default="1024", metavar="MIB",
         help="activations kept between training clients' forward and backward passes; "
         "beyond it, backward passes recompute their forward",
+    )
+    peer.add_argument(
+        "--session-memory", type=mebibytes, metavar="MIB",
+        help="KV cache all sessions may reserve together (each reserves its whole max length when it opens; "
+        "one client gets at most half): default a quarter of this machine's memory, or half the GPU's free "
+        "memory, at most 16 GiB",
+    )
+    peer.add_argument(
+        "--sessions-per-client", type=whole_number(1), default=64, metavar="N",
+        help="sessions one client address (or upstream peer) may hold open here",
+    )
+    peer.add_argument(
+        "--idle-timeout", type=whole_number(1), default=120, metavar="SECONDS",
+        help="a session without a step for this long is closed and its memory freed (its client reopens it)",
     )
 
     infer = _command(sub, "infer", "private inference through the swarm")
@@ -311,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
             demo(args)
     except P2PFusionError as exc:
         print(f"p2pfusion: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a network or file error the code below did not turn into one of ours
+        print(f"p2pfusion: error: {type(exc).__name__}: {exc or 'no detail'}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

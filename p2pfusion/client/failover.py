@@ -7,6 +7,10 @@ hops the session's adapter, and sends the whole history again as one prefill ste
 pending step's inputs at its end. Each hop of the new route rebuilds its KV cache from those
 inputs, so the generation goes on exactly as it would have. Training sessions
 (p2pfusion.client.training) use the same connecting and failing over.
+
+Before a route is used, its peers answer a ping (client/reach.py): a record pointing at a
+tarpit costs one short timeout, shared with up to SCREEN_CONCURRENCY others, not a session's.
+A busy peer is avoided for a moment, not banned; an expired session is opened again at once.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ import torch
 from p2pfusion.client.adapters import RemoteParameters
 from p2pfusion.client.catalog import model_records
 from p2pfusion.client.health import PeerHealth
-from p2pfusion.client.routing import find_route
+from p2pfusion.client.reach import SCREEN_CONCURRENCY, ReachBook
+from p2pfusion.client.routing import expected_throughput, find_route, usable
 from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.trust import FalseClaim
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
-from p2pfusion.errors import PeerFailed, RouteError
+from p2pfusion.errors import PeerBusy, PeerFailed, RouteError, SessionExpired
 from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.links import LinkBook
 
@@ -36,6 +42,9 @@ RETRY_DELAY = 0.5
 AVOID_SECONDS = 30.0  # a leaving peer's record says so within a record's lifetime
 MIN_STEP_TIMEOUT = 10.0
 LONG_STEP_TIMEOUT = 120.0
+SCREEN_BUDGET = 10.0  # the most a route's search spends pinging peers before it takes what it has
+BUSY_BASE = 1.0  # a busy peer is skipped this long, twice as long each time it is busy again
+BUSY_MAX = 16.0
 
 
 @dataclass
@@ -53,11 +62,13 @@ class SwarmAccess:
     # peers this client will not route through: caught computing wrong results, by its own
     # verification or by enough other clients' reports (p2pfusion.client.verify)
     distrusted: set[str] = field(default_factory=set)
+    reach: ReachBook = field(default_factory=ReachBook)  # peers that answered this client's pings
 
     def session(
-        self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE
+        self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE,
+        batch: int = 1,
     ) -> ResilientSession:
-        return ResilientSession(self, max_length, params, purpose)
+        return ResilientSession(self, max_length, params, purpose, batch)
 
 
 class ResilientSession:
@@ -67,11 +78,13 @@ class ResilientSession:
         max_length: int,
         params: RemoteParameters | None = None,
         purpose: Purpose = Purpose.INFERENCE,
+        batch: int = 1,
     ):
         self.access = access
         self.max_length = max_length
         self.params = params  # the adapter every route of this session gets
         self.purpose = purpose
+        self.batch = batch  # sequences per step the peers make room for; a wider step opens again
         self.session: InferenceSession | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0
@@ -80,6 +93,9 @@ class ResilientSession:
         self._known: dict[str, PeerRecord] = {}  # the records of the last lookup
         self._step_seconds: float | None = None
         self._reports: set[asyncio.Task] = set()
+        self._busy: dict[str, tuple[int, float]] = {}  # peer id -> (times it was busy, skipped until)
+        self._told_busy = False
+        self._misbehaved: set[str] = set()  # hops that sent this session frames they may not send
 
     async def open(self) -> ResilientSession:
         await self.connect(recovering=False)
@@ -89,14 +105,16 @@ class ResilientSession:
         deadline = time.monotonic() + FAILOVER_TIMEOUT
         last: Exception | None = None
         while True:
+            delay = RETRY_DELAY
             try:
                 access = self.access
                 records = await model_records(access.swarm, access.model, access.name)
                 self._known = {r.peer_id: r for r in records}
-                avoid = access.health.banned(records) | self._avoided(records) | access.distrusted
-                route = find_route(records, access.num_layers, access.health.observed, avoid, recovering, self.max_length)
+                avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | self._skipped()
+                route = await self._route(records, avoid, recovering)
                 self.session = await InferenceSession(
-                    access.swarm.transport, route, self.max_length, access.compression, access.links, self.purpose
+                    access.swarm.transport, route, self.max_length, access.compression, access.links, self.purpose,
+                    self.batch,
                 ).open()
                 await self.update_params(self.params)
                 return
@@ -105,14 +123,41 @@ class ResilientSession:
                 self.failed(exc)
                 last, recovering = exc, True
             except RouteError as exc:
-                if not recovering:
+                busy = self._busy_until()
+                if not recovering and busy is None:
                     raise
-                if last is None or str(last) != str(exc):
+                if busy is not None:  # every route needs a busy peer: wait for the first to have room
+                    delay = max(busy - time.monotonic(), RETRY_DELAY)
+                elif last is None or str(last) != str(exc):
                     log.warning("waiting for the swarm to recover: %s", exc)
                 last = exc
             if time.monotonic() > deadline:
                 raise RouteError(f"the swarm did not recover within {FAILOVER_TIMEOUT:.0f} s: {last}")
-            await asyncio.sleep(RETRY_DELAY)
+            await asyncio.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
+
+    async def _route(self, records: list[PeerRecord], avoid: set[str], backups: bool) -> list[PeerRecord]:
+        """The best route among peers that answer a ping. Each round pings the route's unpinged
+        peers together with the likeliest alternatives (all at once, each with a short timeout),
+        bans those that do not answer, and routes again, until every hop answered or
+        SCREEN_BUDGET is spent (then the route goes as it is: opening it has its own timeouts)."""
+        access, avoid = self.access, set(avoid)
+        reach, observed = access.reach, access.health.observed
+        deadline = time.monotonic() + SCREEN_BUDGET
+        while True:
+            route = find_route(records, access.num_layers, observed, avoid, backups, self.max_length, reach.rtts)
+            unpinged = [r for r in route if not reach.fresh(r.peer_id)]
+            if not unpinged or time.monotonic() > deadline:
+                return route
+            named = {r.peer_id for r in unpinged}
+            others = [r for r in usable(records, avoid, backups, self.max_length)
+                      if r.peer_id not in named and not reach.fresh(r.peer_id)]
+            others.sort(key=lambda r: -expected_throughput(r, observed) * r.span)  # the likeliest next choices
+            silent = await reach.screen(access.swarm.transport, unpinged + others[:SCREEN_CONCURRENCY - len(unpinged)])
+            for peer_id in silent:
+                access.health.failed(peer_id, self._since(peer_id))
+            if silent:
+                log.warning("%d peers did not answer a ping; avoiding them", len(silent))
+            avoid |= silent
 
     async def update_params(self, params: RemoteParameters | None) -> None:
         """Give the current route new adapter values (nothing is sent when they did not change)."""
@@ -136,14 +181,42 @@ class ResilientSession:
         return 0.0 if record is None else record.since
 
     def failed(self, exc: PeerFailed) -> None:
+        """Learn from a failure: a busy peer is skipped a moment, a hop that passed on a false claim
+        is banned, and a peer that failed is banned and reported for warm backups to take over."""
+        if isinstance(exc, PeerBusy):
+            self._skip_busy(exc)
+            return
+        if isinstance(exc, SessionExpired):
+            log.info("%s; opening the session again", exc)
+            return
         if exc.peer_id is None:
             log.warning("%s", exc)
             return
         ban = self.access.health.failed(exc.peer_id, self._since(exc.peer_id))
         log.warning("%s; avoiding that peer for %.0f s", exc, ban)
+        if isinstance(exc, FalseClaim):  # it answers: nothing for a backup to take over
+            return
         task = asyncio.create_task(self.access.swarm.report_unreachable(self.access.model, exc.peer_id, str(exc)))
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
+
+    def _skip_busy(self, exc: PeerBusy) -> None:
+        if not self._told_busy:
+            log.warning("the swarm is busy (%s); trying other peers, or waiting for room, for up to %.0f s",
+                        exc, FAILOVER_TIMEOUT)
+            self._told_busy = True
+        if exc.peer_id is not None:
+            times = self._busy.get(exc.peer_id, (0, 0.0))[0] + 1
+            self._busy[exc.peer_id] = (times, time.monotonic() + min(BUSY_BASE * 2 ** (times - 1), BUSY_MAX))
+
+    def _skipped(self) -> set[str]:
+        now = time.monotonic()
+        return {peer for peer, (_, until) in self._busy.items() if until > now}
+
+    def _busy_until(self) -> float | None:
+        """When the first busy peer this session skips may have room again; None if it skips none."""
+        skipped = [until for _, until in self._busy.values() if until > time.monotonic()]
+        return min(skipped, default=None)
 
     def _timeout(self, tokens: int) -> float:
         if tokens > 1 or self._step_seconds is None:
@@ -154,6 +227,9 @@ class ResilientSession:
         self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
         """Like InferenceSession.step, but a failed or leaving peer costs a replay, not the generation."""
+        if hidden.shape[0] > self.batch:  # the hops made room for fewer sequences: open for these
+            self.batch = hidden.shape[0]
+            await self.drop()
         while True:
             if self.session is None:
                 await self.connect(recovering=True)
@@ -169,7 +245,7 @@ class ResilientSession:
                 out = await self.session.step(inputs, self._timeout(inputs.shape[1]), mask, ids)
             except PeerFailed as exc:
                 self.failed(exc)
-                self.recoveries += 1
+                self.recoveries += not isinstance(exc, SessionExpired)
                 await self.drop()
                 continue
             self._observe(inputs.shape[1])
@@ -195,37 +271,53 @@ class ResilientSession:
 
     def _replayed(self, hidden: torch.Tensor, positions: torch.Tensor | None):
         """The whole history and the new step as one step, with every token's position id."""
-        steps = [*self.history, (hidden, positions)]
-        inputs = torch.cat([h for h, _ in steps], dim=1)
-        if all(p is None for _, p in steps):
-            return inputs, None
-        ids, offset = [], 0
-        for h, p in steps:
-            ids.append(p if p is not None else torch.arange(offset, offset + h.shape[1]).expand(h.shape[0], -1))
-            offset += h.shape[1]
-        return inputs, torch.cat(ids, dim=1)
+        return joined([*self.history, (hidden, positions)])
 
     def _observe(self, tokens: int) -> None:
-        """Each hop's own compute time, plus an equal share of what the client saw beyond them (the wire)."""
+        """This client's own time for a one-token step, shared by the route's layers: no peer's
+        word about its own speed, or another's, enters what the client expects of peers."""
         session = self.session
-        spans = {r.peer_id: r.span for r in session.route}
-        overhead = max(session.seconds - sum(s for _, s in session.timings), 0.0) / max(len(session.timings), 1)
-        for peer_id, seconds in session.timings:
-            if peer_id in spans:
-                self.access.health.observe(peer_id, spans[peer_id], seconds + overhead, tokens)
-        if tokens == 1:
-            previous = self._step_seconds
-            self._step_seconds = session.seconds if previous is None else 0.8 * previous + 0.2 * session.seconds
+        if tokens != 1 or session.seconds <= 0:
+            return
+        layers = sum(r.span for r in session.route)
+        for record in session.route:
+            self.access.health.observe(record.peer_id, record.span, session.seconds * record.span / layers)
+        previous = self._step_seconds
+        self._step_seconds = session.seconds if previous is None else 0.8 * previous + 0.2 * session.seconds
+
+    def _settle_strays(self) -> None:
+        """A hop that sent frames it may not send is banned once its route is dropped: the frames
+        were dropped, so the session went on, but later routes avoid that hop a while."""
+        for peer_id in set(self.session.strays) - self._misbehaved:
+            self._misbehaved.add(peer_id)
+            ban = self.access.health.failed(peer_id, self._since(peer_id))
+            log.warning("peer %s sent frames its stream may not carry; avoiding it for %.0f s", peer_id, ban)
 
     async def drop(self) -> None:
         if self.session is not None:
+            self._settle_strays()
             await self.session.close()
         self.session = None
 
     async def close(self) -> None:
         if self.session is not None:
+            self._settle_strays()
             for record in self.session.route:
-                self.access.health.succeeded(record.peer_id)
+                if record.peer_id not in self._misbehaved | self.session.liars:
+                    self.access.health.succeeded(record.peer_id)
         await self.drop()
         if self._reports:
             await asyncio.wait(self._reports, timeout=5)
+
+
+def joined(steps: list[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Steps' inputs as one step: their hidden states, and every token's position id (None when
+    no step had explicit ones: then they are the sequence positions)."""
+    inputs = torch.cat([h for h, _ in steps], dim=1)
+    if all(p is None for _, p in steps):
+        return inputs, None
+    ids, offset = [], 0
+    for h, p in steps:
+        ids.append(p if p is not None else torch.arange(offset, offset + h.shape[1]).expand(h.shape[0], -1))
+        offset += h.shape[1]
+    return inputs, torch.cat(ids, dim=1)

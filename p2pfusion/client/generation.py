@@ -21,14 +21,18 @@ from p2pfusion.client.head import ScreenedHead, screened_head
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.routing import find_route, session_limit
 from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.verifier import Trust, Verifier
+from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import SwarmNode
-from p2pfusion.errors import ModelError, RequestError
+from p2pfusion.errors import ModelError, RequestError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.links import LinkBook
 
 log = logging.getLogger(__name__)
+
+MAX_REWINDS = 8  # wrong results caught in one generation before it gives up
 
 
 def load_tokenizer(source: ModelSource):
@@ -64,6 +68,7 @@ class Generated:
     prefill_seconds: float
     decode_seconds: float
     recoveries: int = 0  # times the session moved around a failed peer
+    rewinds: int = 0  # times verification caught wrong results and the generation went back
 
 
 def choose_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -84,8 +89,10 @@ class RemoteCausalLM:
         dtype: torch.dtype = torch.float32,
         compression: str = AUTO,
         screen_head: bool = True,
+        verify: float = DEFAULT_RATE,
     ):
         self.source = source
+        self.verify = check_rate(verify)
         self.swarm = swarm
         self.compression = compression
         self.config = load_config(source)
@@ -95,6 +102,7 @@ class RemoteCausalLM:
         self.adapter: Adapter | None = None  # trained parameters to generate with
         self._tokenizer = None
         self._swarm_access: SwarmAccess | None = None
+        self._trust: Trust | None = None
         # greedy tokens through a float16 screen of the head (client/head.py); False: not built yet
         self._screen: ScreenedHead | None | bool = False if screen_head else None
 
@@ -151,11 +159,20 @@ class RemoteCausalLM:
                 self.swarm, self.source.key, self.source.name, self.config.num_hidden_layers, self.health, links,
                 self.compression,
             )
+            self._trust = Trust(self._swarm_access)
         return self._swarm_access
 
     async def open_session(self, max_length: int) -> ResilientSession:
         params = None if self.adapter is None else self.adapter.remote_parameters()
-        return await self._access().session(max_length, params).open()
+        access = self._access()
+        await self._trust.refresh()  # other clients' fault reports, before routing
+        return await access.session(max_length, params).open()
+
+    def verifier(self, session: ResilientSession) -> Verifier | None:
+        """What checks a session's results (None with verification off)."""
+        if self.verify <= 0:
+            return None
+        return Verifier(session, self._trust, self.source, self.verify, self.dtype)
 
     async def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward and backward pass through the swarm: the loss (as transformers computes it from
@@ -245,6 +262,7 @@ class Conversation:
         # as this call needs, so that peers accepting less may serve it
         self.keep = keep
         self.session: ResilientSession | None = None
+        self.verifier: Verifier | None = None
         self.tokens: list[int] = []  # what the peers' caches hold (after the soft prompt), in order
         self.limit = 0  # the longest sequence of tokens the open session takes
 
@@ -270,7 +288,8 @@ class Conversation:
     ) -> Generated:
         """Continue `input_ids` (the whole sequence, earlier calls' tokens included) with up to
         `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
-        leaves the session ready for the next call."""
+        leaves the session ready for the next call. With verification on, `on_token` gets tokens
+        once the results they came from are checked (see client/verifier.py)."""
         model = self.model
         if not input_ids:
             raise RequestError("the prompt is empty")
@@ -283,39 +302,92 @@ class Conversation:
         total = len(input_ids) + new_tokens_within(len(input_ids), max_new_tokens, limit)
         if self.session is None:
             self.session = await model.open_session((limit if self.keep else total) + reserved)
+            self.verifier = model.verifier(self.session)
             self.limit, new = limit, input_ids
             route = self.session.session.route
             log.info("route found: %s", ", ".join(f"{r.start}:{r.end} on {r.peer_id[-8:]}" for r in route))
         eos = model.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         out: list[int] = []
+        shown = rewinds = 0
         try:
             t0 = time.perf_counter()
             embeds = model.embed(new)
             if soft is not None and not self.tokens:  # soft prompt tokens sit before the text, at positions 0..n-1
                 embeds = torch.cat([soft.detach().to(model.dtype)[None], embeds], dim=1)
-            hidden = await self.session.step(embeds)
+            hidden = await self._step(embeds)
             self.tokens += new
             t1 = time.perf_counter()
             while True:
                 token = model.next_token(hidden, temperature, generator)
                 out.append(token)
-                if on_token is not None:
-                    on_token(token)
                 done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
-                if done or (stop is not None and stop()):
+                wrong = await self._check(done)
+                if wrong is None:
+                    shown = self._show(out, shown, len(input_ids) + reserved, on_token)
+                    if not done and stop is not None and stop():
+                        done, wrong = True, await self._check(True)  # the rest is checked before the reply ends
+                        shown = self._show(out, shown, len(input_ids) + reserved, on_token) if wrong is None else shown
+                if wrong is not None:
+                    rewinds += 1
+                    if rewinds > MAX_REWINDS:
+                        raise RouteError(f"results failed verification {rewinds} times in one generation")
+                    hidden = await self._rewind(wrong, input_ids, out, reserved, soft)
+                    continue
+                if done:
                     break
-                hidden = await self.session.step(model.embed([token]))
+                hidden = await self._step(model.embed([token]))
                 self.tokens.append(token)
             t2 = time.perf_counter()
         except BaseException:
             await self.close()  # a step may be half done: the peers' caches are no longer known
             raise
         text = model.tokenizer.decode(out, skip_special_tokens=True) if decode else ""
-        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries)
+        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds)
+
+    async def _check(self, final: bool) -> int | None:
+        """The first wrong position found (None: none, or verification is off); at random, or
+        over every unchecked position when `final`."""
+        if self.verifier is None:
+            return None
+        return await (self.verifier.check() if final else self.verifier.maybe_check())
+
+    def _show(self, out: list[int], shown: int, prompt: int, on_token: Callable[[int], None] | None) -> int:
+        """Give `on_token` the tokens not shown yet whose results are checked (the token after
+        position p is sure once p's output is); returns how many are shown now."""
+        sure = len(out) if self.verifier is None else min(max(self.verifier.checked - prompt + 1, 0), len(out))
+        if on_token is not None:
+            for token in out[shown:sure]:
+                on_token(token)
+        return max(shown, sure)
+
+    async def _step(self, embeds: torch.Tensor) -> torch.Tensor:
+        if self.verifier is None:
+            return await self.session.step(embeds)
+        return await self.verifier.step(embeds)
+
+    async def _rewind(
+        self, position: int, input_ids: list[int], out: list[int], reserved: int, soft: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Go back to the session's first `position` positions, whose outputs were checked, drop the
+        tokens that came after them, and compute that position's output again (on a new route)."""
+        await self.verifier.rewind(position)
+        del out[max(position - reserved - len(input_ids) + 1, 0):]
+        sequence = input_ids + out
+        first = max(position - reserved, 0)  # the first token whose input goes again
+        embeds = self.model.embed(sequence[first:])
+        if position < reserved:
+            embeds = torch.cat([soft.detach().to(self.model.dtype)[None, position:], embeds], dim=1)
+        self.tokens = sequence[:first]
+        hidden = await self.verifier.step(embeds)
+        self.tokens = sequence
+        return hidden
 
     async def close(self) -> None:
         session, self.session, self.tokens, self.limit = self.session, None, [], 0
+        verifier, self.verifier = self.verifier, None
+        if verifier is not None:
+            await verifier.close()
         if session is not None:
             await session.close()
             save_observed(self.model.source.key, self.model.health.observed)

@@ -2,13 +2,17 @@
 fast each peer really was for it (an exponential moving average of observed speed).
 
 Observed speed is kept per layer (layer-tokens/s), so it compares across spans, and it is saved
-in the cache folder, so later runs and `p2pfusion swarm` start from what this machine saw.
+in the cache folder, so later runs and `p2pfusion swarm` start from what this machine saw. It
+comes only from this client's own clock: the time its steps took end to end, shared by the
+route's layers, and its one-hop probes (client/probe.py). Only finite positive figures are kept,
+for the MAX_OBSERVED peers seen most recently.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from collections.abc import Iterable
@@ -21,7 +25,9 @@ log = logging.getLogger(__name__)
 
 BAN_BASE = 5.0
 BAN_MAX = 600.0
+MAX_BANS = 10_000
 EMA_WEIGHT = 0.2  # share of a new observation in the average
+MAX_OBSERVED = 1000  # peers whose speed is kept: records are cheap to make, memory and disk are not
 
 
 @dataclass
@@ -41,6 +47,8 @@ class PeerHealth:
         `since` is when the record we routed by says the peer entered its state."""
         now = time.monotonic() if now is None else now
         failures = self.bans[peer_id].failures + 1 if peer_id in self.bans else 1
+        if len(self.bans) >= MAX_BANS:  # fake records are cheap: forget the bans long over first
+            self.bans = {p: b for p, b in self.bans.items() if b.until > now - BAN_MAX}
         duration = min(BAN_BASE * 2 ** (failures - 1), BAN_MAX)
         self.bans[peer_id] = Ban(failures, now + duration, since)
         return duration
@@ -60,11 +68,24 @@ class PeerHealth:
         self.bans.pop(peer_id, None)
 
     def observe(self, peer_id: str, layers: int, seconds: float, tokens: int = 1) -> None:
-        if seconds <= 0 or layers <= 0:
+        """`layers` of a peer took `seconds` for `tokens` tokens, as this client timed them."""
+        if not (0 < seconds < math.inf) or layers <= 0 or tokens <= 0:
             return
         rate = layers * tokens / seconds
-        old = self.observed.get(peer_id)
+        old = self.observed.pop(peer_id, None)  # re-inserted last: the most recently seen
         self.observed[peer_id] = rate if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * rate
+        while len(self.observed) > MAX_OBSERVED:
+            del self.observed[next(iter(self.observed))]
+
+
+def _valid(rate: object) -> bool:
+    return isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 < rate < math.inf
+
+
+def recent(observed: dict[str, float]) -> dict[str, float]:
+    """The valid figures of the MAX_OBSERVED peers seen last (a dict keeps the order they were seen in)."""
+    valid = [(str(k), float(v)) for k, v in observed.items() if _valid(v)]
+    return dict(valid[-MAX_OBSERVED:])
 
 
 def _path(model: str) -> Path:
@@ -76,9 +97,7 @@ def load_observed(model: str) -> dict[str, float]:
         raw = json.loads(_path(model).read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {str(k): float(v) for k, v in raw.items() if isinstance(v, (int, float)) and v > 0}
+    return recent(raw) if isinstance(raw, dict) else {}
 
 
 def save_observed(model: str, observed: dict[str, float]) -> None:
@@ -86,7 +105,7 @@ def save_observed(model: str, observed: dict[str, float]) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(observed, indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(recent(observed), indent=1))
         tmp.replace(path)
     except OSError as exc:  # a read-only cache must not fail an inference
         log.warning("cannot save observed peer speeds to %s: %s", path, exc)

@@ -20,20 +20,27 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from p2pfusion.client.adapters import Adapter, RemoteParameters, TuningConfig
 from p2pfusion.client.failover import ResilientSession
-from p2pfusion.client.generation import load_tokenizer, new_tokens_within
+from p2pfusion.client.generation import MAX_REWINDS, load_tokenizer, new_tokens_within
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.remote_layers import RemoteLayers, SwarmClient
+from p2pfusion.client.verifier import Verifier
+from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.errors import RequestError
+from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.models.adapters import DEFAULT_LORA_TARGETS
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
 
 
+class WrongResults(Exception):
+    """Verification caught wrong results mid-generation: `generate` starts again without the liar."""
+
+
 class RemoteCache(Cache):
     """Stands for the peers' KV caches during `generate`: an inference session kept open between
-    steps. Its length counts the caller's tokens (not the soft prompt's)."""
+    steps, its results checked at the client's verification rate. Its length counts the caller's
+    tokens (not the soft prompt's)."""
 
     def __init__(self, client: SwarmClient, params: RemoteParameters | None, max_length: int):
         super().__init__(layers=[])
@@ -42,6 +49,7 @@ class RemoteCache(Cache):
         self.max_length = max_length
         self.length = 0
         self.session: ResilientSession | None = None
+        self.verifier: Verifier | None = None
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -53,15 +61,28 @@ class RemoteCache(Cache):
     def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, tokens: int) -> torch.Tensor:
         client = self.client
         if self.session is None:
-            self.session = client.run(client.connection(Purpose.INFERENCE, self.params, self.max_length).open())
-        out = client.run(self.session.step(hidden, mask, positions))
+            self.session = client.run(client.opened(Purpose.INFERENCE, self.params, self.max_length))
+            self.verifier = client.verifier(self.session)
+        if self.verifier is None:
+            out = client.run(self.session.step(hidden, mask, positions))
+        else:
+            out = client.run(self.verifier.step(hidden, mask, positions))
+            if client.run(self.verifier.maybe_check()) is not None:
+                raise WrongResults()
         self.length += tokens
         return out
+
+    def verified(self) -> bool:
+        """Check the results not checked yet: True when they hold (or verification is off)."""
+        return self.verifier is None or self.client.run(self.verifier.check()) is None
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
 
     def close(self) -> None:
+        if self.verifier is not None:
+            self.client.run(self.verifier.close())
+            self.verifier = None
         if self.session is not None:
             self.client.run(self.session.close())
             self.session = None
@@ -198,11 +219,17 @@ class DistributedModelMixin:
         if fits < wanted:
             kwargs["max_new_tokens"] = wanted = fits
         params = None if adapter is None else adapter.remote_parameters()
-        cache = RemoteCache(client, params, prompt + wanted + reserved)
-        try:
-            return super().generate(*args, past_key_values=cache, **kwargs)
-        finally:
-            cache.close()
+        for _ in range(MAX_REWINDS):  # wrong results caught: the liar is distrusted, generate again
+            cache = RemoteCache(client, params, prompt + wanted + reserved)
+            try:
+                result = super().generate(*args, past_key_values=cache, **kwargs)
+                if cache.verified():
+                    return result
+            except WrongResults:
+                pass
+            finally:
+                cache.close()
+        raise RouteError(f"results failed verification {MAX_REWINDS} times in one generation")
 
     @cached_property
     def tokenizer(self):
@@ -247,13 +274,17 @@ class AutoDistributedModelForCausalLM:
         adapter: str | Path | None = None,
         dtype: torch.dtype = torch.float32,
         compression: str = AUTO,
+        verify: float = DEFAULT_RATE,
     ):
         """The model (a local folder, a .gguf file, a Hub id, or None for the default model) served by
         the swarm that `initial_peers` belong to. `tuning` ("prompt", "deep_prompt" or "lora") adds
-        fresh trainable parameters; `adapter` loads saved ones instead."""
+        fresh trainable parameters; `adapter` loads saved ones instead. `verify`: the chance that
+        a generation step's results are checked against other peers (0: never; a generation's
+        end is always checked)."""
         tuning_config = None if tuning is None else TuningConfig(
             tuning, rank=lora_rank, alpha=lora_alpha, targets=tuple(lora_targets), prompt_tokens=prompt_tokens
         )
+        check_rate(verify)
         if not initial_peers:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
         source = resolve_model(model)
@@ -268,7 +299,7 @@ class AutoDistributedModelForCausalLM:
             loop.close()
             raise
         positions = int(getattr(config, "max_position_embeddings", 2048))
-        client = SwarmClient(loop, swarm, source, config.num_hidden_layers, positions, compression)
+        client = SwarmClient(loop, swarm, source, config.num_hidden_layers, positions, compression, verify, dtype)
         trainable = None
         if adapter is not None:
             trainable = Adapter.load(adapter, config, source)

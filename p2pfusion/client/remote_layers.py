@@ -16,6 +16,8 @@ from p2pfusion.client.generation import length_limit
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.training import TrainingSession, split_batch
+from p2pfusion.client.verifier import Trust, Verifier
+from p2pfusion.client.verify import DEFAULT_RATE
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import RequestError
 from p2pfusion.models.source import ModelSource
@@ -28,12 +30,17 @@ class SwarmClient:
     def __init__(
         self, loop: BackgroundLoop, swarm: SwarmNode, source: ModelSource, num_layers: int, max_positions: int,
         compression: str,
+        verify: float = DEFAULT_RATE,
+        dtype: torch.dtype = torch.float32,
     ):
         self.loop = loop
         self.source = source
         health = PeerHealth(observed=load_observed(source.key))
         links = LinkBook(swarm.transport)
         self.access = SwarmAccess(swarm, source.key, source.name, num_layers, health, links, compression)
+        self.trust = Trust(self.access)
+        self.verify = verify
+        self.dtype = dtype
         self.max_positions = max_positions  # the model's; a session's length also follows the swarm's peers
         self._training: TrainingSession | None = None
 
@@ -46,6 +53,15 @@ class SwarmClient:
 
     def connection(self, purpose: Purpose, params: RemoteParameters | None, max_length: int) -> ResilientSession:
         return self.access.session(max_length, params, purpose)
+
+    async def opened(self, purpose: Purpose, params: RemoteParameters | None, max_length: int) -> ResilientSession:
+        """An open session, routed around the peers this client distrusts (other clients' reports read first)."""
+        await self.trust.refresh()
+        return await self.connection(purpose, params, max_length).open()
+
+    def verifier(self, session: ResilientSession) -> Verifier | None:
+        """What checks an inference session's results (None with verification off)."""
+        return None if self.verify <= 0 else Verifier(session, self.trust, self.source, self.verify, self.dtype)
 
     async def length_limit(self) -> int:
         return await length_limit(self.access, self.max_positions)
@@ -68,7 +84,7 @@ class SwarmClient:
             outputs = []
             for i in range(0, hidden.shape[0], rows):  # each chunk of rows is a batch with its own caches
                 part = slice(i, i + rows)
-                session = await self.connection(Purpose.INFERENCE, params, hidden.shape[1]).open()
+                session = await self.opened(Purpose.INFERENCE, params, hidden.shape[1])
                 try:
                     outputs.append(await session.step(hidden[part], None if mask is None else mask[part], positions[part]))
                 finally:

@@ -1,9 +1,10 @@
 """Pick a chain of peers that covers every layer: a pure function of the DHT's records and of
-what this client has seen (peers' observed speeds, peers it has banned)."""
+what this client has seen itself (peers' observed speeds and ping times, peers it has banned).
+Nothing a peer reports about another peer's speed is used."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
 from p2pfusion.errors import RouteError
@@ -38,25 +39,39 @@ def format_ranges(ranges: list[tuple[int, int]]) -> str:
     return ", ".join(f"{a}:{b}" for a, b in ranges)
 
 
-def expected_throughput(record: PeerRecord, observed: dict[str, float]) -> float:
-    """What this client expects of a peer: its own observation when it has one, not the peer's claim."""
+HOP_SECONDS = 0.003  # a hop's cost per token (a network round) where this client has not timed it
+UNOBSERVED_CAP = 4.0  # a peer never observed is expected at most this many times the best one observed
+
+
+def expected_throughput(record: PeerRecord, observed: Mapping[str, float], best: float | None = None) -> float:
+    """Tokens/s this client expects of a peer through its span: what the peer advertises, but
+    never more than this client observed of it, nor, for a peer it never observed, more than
+    UNOBSERVED_CAP times the best per-layer rate it observed of any peer (`best`, by default
+    taken from `observed`). A record may claim anything; a claim wins only until it is observed."""
     rate = observed.get(record.peer_id)
-    return record.throughput if rate is None else span_throughput(rate, None, record.span)
+    if rate is None:
+        best = max(observed.values(), default=None) if best is None else best
+        if best is None:
+            return record.throughput
+        rate = UNOBSERVED_CAP * best
+    return min(record.throughput, span_throughput(rate, None, record.span))
 
 
 def find_route(
     records: list[PeerRecord],
     num_layers: int,
-    observed: dict[str, float] | None = None,
+    observed: Mapping[str, float] | None = None,
     banned: Collection[str] = (),
     backups: bool = False,
     length: int = 0,
+    rtts: Mapping[str, float] | None = None,
 ) -> list[PeerRecord]:
-    """Fewest hops first (each hop costs a network round), then fewest backups, then least time.
+    """The chain of peers with the least expected time per token, online peers before backups.
 
-    A token's time through a route is the sum of its hops' times, so among routes with as many
-    hops the one with the smallest sum of 1/throughput wins. A hop starts at the exact layer
-    where the previous one ended, since a peer's cache holds its whole range.
+    A token's time through a route is the sum of its hops' times: each hop's 1/throughput (as
+    `expected_throughput` sees it) plus its network round, the client's own ping time to it
+    (`rtts`) or HOP_SECONDS. A hop starts at the exact layer where the previous one ended, since
+    a peer's cache holds its whole range.
     """
     candidates = [r for r in usable(records, banned, backups, length) if r.end <= num_layers]
     gaps = missing_layers(candidates, num_layers)
@@ -64,25 +79,22 @@ def find_route(
         if length and not missing_layers(usable(records, banned, backups), num_layers):
             raise RouteError(f"no peer accepting sessions of {length} tokens serves layers {format_ranges(gaps)}")
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model")
-    observed = observed or {}
-    # best[layer] = (hops, backups, seconds per token, route) of the best route from `layer` to the end
-    best: dict[int, tuple[int, int, float, list[PeerRecord]]] = {num_layers: (0, 0, 0.0, [])}
+    observed, rtts = observed or {}, rtts or {}
+    best_rate = max(observed.values(), default=None)
+    # best[layer] = (backups, seconds per token, route) of the best route from `layer` to the end
+    best: dict[int, tuple[int, float, list[PeerRecord]]] = {num_layers: (0, 0.0, [])}
     for layer in range(num_layers - 1, -1, -1):
         for r in candidates:
             if r.start != layer or r.end not in best:
                 continue
-            hops, spares, seconds, rest = best[r.end]
-            candidate = (
-                hops + 1,
-                spares + (r.state == PeerState.BACKUP),
-                seconds + 1.0 / max(expected_throughput(r, observed), 1e-9),
-                [r] + rest,
-            )
-            if layer not in best or candidate[:3] < best[layer][:3]:
+            spares, seconds, rest = best[r.end]
+            hop = rtts.get(r.peer_id, HOP_SECONDS) + 1.0 / max(expected_throughput(r, observed, best_rate), 1e-9)
+            candidate = (spares + (r.state == PeerState.BACKUP), seconds + hop, [r] + rest)
+            if layer not in best or candidate[:2] < best[layer][:2]:
                 best[layer] = candidate
     if 0 not in best:
         raise RouteError("online peers cover every layer, but their ranges do not chain from layer 0 to the end")
-    return best[0][3]
+    return best[0][2]
 
 
 def session_limit(records: list[PeerRecord], num_layers: int, positions: int, banned: Collection[str] = ()) -> int:

@@ -1,28 +1,38 @@
 """An inference session through one route of peers: hidden states in at the first hop, out at the last.
 
 It reports a dead peer as PeerFailed (naming it when it can), and remembers peers that announced
-they are leaving; `p2pfusion.client.failover` builds a new route and replays around both.
+they are leaving; `p2pfusion.client.failover` builds a new route and replays around both. What
+the hops send back is weighed by `p2pfusion.client.trust`: results only from the last hop, on
+the stream to it; a claim that some peer failed or is leaving only from that peer, or once the
+client's own ping confirms it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 
 import torch
 
+from p2pfusion.client.reach import Answer, ping
+from p2pfusion.client.trust import FalseClaim, Stream, admitted, blamed, claim_subject, needs_probe
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
-from p2pfusion.net.framing import FrameError, read_frame, write_frame
+from p2pfusion.net.framing import BadTensor, FrameError, FrameLimits, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import mask_to_wire, positions_to_wire, unflatten
 from p2pfusion.net.transport import Transport
 
-OPEN_TIMEOUT = 15.0
+log = logging.getLogger(__name__)
+
+# a dial, direct or through libp2p: a peer that takes longer costs its session, not a minute
+OPEN_TIMEOUT = 5.0
+ACK_TIMEOUT = 15.0  # the first hop acknowledges once every hop of the chain has opened the next
 STEP_TIMEOUT = 60.0
 MIN_CHUNK_TOKENS = 64  # smaller pieces make matrix products less efficient than the overlap gains
 
@@ -44,6 +54,7 @@ class InferenceSession:
         compression: str = AUTO,
         links: LinkBook | None = None,
         purpose: Purpose = Purpose.INFERENCE,
+        batch: int = 1,
     ):
         self.transport = transport
         self.route = route
@@ -51,21 +62,26 @@ class InferenceSession:
         self.compression = compression
         self.links = links
         self.purpose = purpose
+        self.batch = batch  # the most sequences a step carries: each hop reserves KV cache for as many
         self.first_link: LinkSpeed | None = None  # picks the codec of the hidden states we send
         self.last_link: LinkSpeed | None = None  # and of the gradients
         self.session_id = uuid.uuid4().hex
         self.position = 0
-        self.leaving: set[str] = set()  # peers of this route that asked us to move
-        self.timings: list[tuple[str, float]] = []  # the last step's compute seconds per hop
+        self.leaving: set[str] = set()  # peers of this route that asked us to move (confirmed)
         self.seconds = 0.0  # the last step's wall time, as this client saw it
+        self.strays: dict[str, int] = {}  # peers that sent frames their stream may not carry: how many
+        self.liars: set[str] = set()  # hops that passed on a claim the client's probe found false
         self._step = 0
+        self._sent_at: dict[int, float] = {}  # when each step awaiting its reply was sent
         self._head = None
         self._sink = None
         self.adapter: str | None = None  # digest of the parameters the hops hold for this session
         self._param_grads: dict[int, dict[str, torch.Tensor]] = {}
-        self._early: dict[tuple[str, int], tuple] = {}  # replies that came before they were awaited
-        self._inbox: asyncio.Queue = asyncio.Queue()
+        self._early: dict[tuple[str, int], torch.Tensor] = {}  # replies that came before they were awaited
+        self._inbox: asyncio.Queue = asyncio.Queue()  # (header, tensor) the client accepts, in order
         self._readers: list[asyncio.Task] = []
+        self._checks: set[asyncio.Task] = set()  # probes of claims, each queueing its verdict
+        self._claimed: set[str] = set()  # peers some claim named
 
     async def _connect(self, record: PeerRecord):
         try:
@@ -74,12 +90,21 @@ class InferenceSession:
             raise PeerFailed(f"peer {record.peer_id} ({record.start}:{record.end}) unreachable: {exc!r}", record.peer_id) from exc
         return reader, writer
 
-    async def _expect_ack(self, reader, record: PeerRecord) -> None:
+    async def _expect_ack(self, reader, stream: Stream) -> None:
+        """The answer to Subscribe or Open; an error naming another peer is weighed like any claim."""
+        record = self._end(stream)
         try:
-            header, _ = await asyncio.wait_for(read_frame(reader), OPEN_TIMEOUT)
-        except (TimeoutError, EOFError, FrameError, ConnectionError) as exc:
+            header, _ = await asyncio.wait_for(read_frame(reader, FrameLimits(tensor_kinds=frozenset())), ACK_TIMEOUT)
+            reply = m.from_header(header)
+        except (TimeoutError, EOFError, OSError, RequestError) as exc:
             raise PeerFailed(f"peer {record.peer_id} did not answer: {exc!r}", record.peer_id) from exc
-        m.raise_for_error(m.from_header(header))
+        if isinstance(reply, m.Error):
+            self._raise(await self._verdict(reply, stream))
+        if not isinstance(reply, m.Ack):
+            raise PeerFailed(f"peer {record.peer_id} answered {reply.kind!r} to the session's opening", record.peer_id)
+
+    def _end(self, stream: Stream) -> PeerRecord:
+        return self.route[0] if stream == Stream.HEAD else self.route[-1]
 
     async def _measure_links(self) -> None:
         """The links to the first hop (our inputs) and to the last (results and our gradients)."""
@@ -94,31 +119,107 @@ class InferenceSession:
         await self._measure_links()
         try:
             sink_reader, self._sink = await self._connect(self.route[-1])
-            await write_frame(self._sink, m.to_header(m.Subscribe(self.session_id)))
-            await self._expect_ack(sink_reader, self.route[-1])
+            await self._write(self._sink, self.route[-1], m.to_header(m.Subscribe(self.session_id)))
+            await self._expect_ack(sink_reader, Stream.SINK)
             head_reader, self._head = await self._connect(self.route[0])
             hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
             opening = m.Open(
-                self.session_id, self.max_length, hops, self.compression, self.purpose, self.first_link, self.last_link
+                self.session_id, self.max_length, hops, self.compression, self.purpose, self.first_link, self.last_link,
+                self.batch,
             )
-            await write_frame(self._head, m.to_header(opening))
-            await self._expect_ack(head_reader, self.route[0])
+            await self._write(self._head, self.route[0], m.to_header(opening))
+            await self._expect_ack(head_reader, Stream.HEAD)
         except BaseException:
             await self.close()
             raise
         self._readers = [
-            asyncio.create_task(self._pump(sink_reader, self.route[-1].peer_id)),
-            asyncio.create_task(self._pump(head_reader, self.route[0].peer_id)),
+            asyncio.create_task(self._pump(sink_reader, Stream.SINK)),
+            asyncio.create_task(self._pump(head_reader, Stream.HEAD)),
         ]
         return self
 
-    async def _pump(self, reader, peer_id: str) -> None:
+    async def _pump(self, reader, stream: Stream) -> None:
+        """Take in what the stream's peer sends: frames this stream may carry, for steps sent;
+        claims about other peers once judged (`_judge`). Anything else is dropped."""
+        peer_id = self._end(stream).peer_id
+        # any kind that carries a tensor may, so that one on the wrong stream is read whole and
+        # dropped, with the stream still in step
+        limits = FrameLimits(tensor_kinds=m.TENSOR_KINDS)
         try:
             while True:
-                self._inbox.put_nowait(await read_frame(reader))
-        except (EOFError, FrameError, ConnectionError) as exc:
-            message = f"connection to peer {peer_id} lost: {exc!r}"
-            self._inbox.put_nowait((m.to_header(m.Error(message=message, failed_peer=peer_id)), None))
+                try:
+                    header, tensor = await read_frame(reader, limits)
+                except BadTensor as exc:
+                    self._lost(peer_id, f"peer {peer_id} sent a tensor that does not decode: {exc}")
+                    return
+                try:
+                    message = m.from_header(header)
+                except RequestError as exc:
+                    self._stray(peer_id, stream, header.get("kind"), f" ({exc})")
+                    continue
+                if not admitted(stream, message.kind) or not self._awaited(message, tensor):
+                    self._stray(peer_id, stream, message.kind)
+                elif claim_subject(message) not in (None, peer_id):
+                    self._judge_once(message, stream)
+                else:
+                    self._inbox.put_nowait((header, tensor))
+        except (EOFError, FrameError, OSError, RuntimeError) as exc:  # RuntimeError: uvloop on a closed transport
+            self._lost(peer_id, f"connection to peer {peer_id} lost: {exc!r}")
+
+    def _awaited(self, message, tensor: torch.Tensor | None) -> bool:
+        """Replies only to steps this session sent, each with its tensor."""
+        if not isinstance(message, (m.Result, m.Backward, m.ParamGrads)):
+            return tensor is None
+        return tensor is not None and 0 < message.step <= self._step
+
+    def _lost(self, peer_id: str, why: str) -> None:
+        self._inbox.put_nowait((m.to_header(m.Error(message=why, failed_peer=peer_id)), None))
+
+    def _stray(self, peer_id: str, stream: Stream, kind: object, why: str = "") -> None:
+        """Drop a frame its stream may not carry; the peer at the stream's end answers for it."""
+        if peer_id not in self.strays:
+            log.warning("dropped a %r frame from peer %s on the %s stream, which may not carry it%s",
+                        kind, peer_id, stream.value, why)
+        self.strays[peer_id] = self.strays.get(peer_id, 0) + 1
+
+    def _judge_once(self, message, stream: Stream) -> None:
+        """Judge a claim about another peer in the background: one probe per peer named, however
+        many claims name it (the first verdict stands for the session)."""
+        subject = claim_subject(message)
+        if subject in self._claimed:
+            return
+        self._claimed.add(subject)
+        task = asyncio.create_task(self._judge(message, stream))
+        self._checks.add(task)
+        task.add_done_callback(self._checks.discard)
+
+    async def _judge(self, message, stream: Stream) -> None:
+        self._inbox.put_nowait((m.to_header(await self._verdict(message, stream)), None))
+
+    async def _verdict(self, message, stream: Stream):
+        """The message itself when its claim counts (it is about the stream's own peer, or our ping
+        of the peer it names finds it gone or leaving); otherwise an Error naming the hop blamed."""
+        route = [r.peer_id for r in self.route]
+        via = 0 if stream == Stream.HEAD else len(route) - 1
+        subject = claim_subject(message)
+        if subject is None or subject == route[via]:
+            return message
+        if needs_probe(route, via, subject):
+            answer, _ = await ping(self.transport, subject, self.route[route.index(subject)].data_addrs)
+            if answer != Answer.SERVING:
+                return message
+            why = "which answers this client's ping"
+        else:
+            why = "which is not on this session's route"
+        liar = blamed(route, via, subject)
+        self.liars.add(liar)
+        claim = "is leaving" if isinstance(message, m.Leaving) else "failed"
+        return m.Error(message=f"peer {liar} passed on a false claim that peer {subject} {claim}, {why}", failed_peer=liar)
+
+    def _raise(self, reply) -> None:
+        if isinstance(reply, m.Error) and reply.failed_peer in self.liars:
+            raise FalseClaim(reply.message, reply.failed_peer)
+        m.raise_for_error(reply)
 
     def poll_notices(self) -> set[str]:
         """Take in `Leaving` notices that came between steps; other messages stay queued for step()."""
@@ -135,10 +236,7 @@ class InferenceSession:
 
     async def set_adapter(self, message: m.Adapter, flat: torch.Tensor) -> None:
         """Give the hops this session's parameters; the steps after it use them."""
-        try:
-            await write_frame(self._head, m.to_header(message), pack(flat))
-        except (ConnectionError, RuntimeError) as exc:
-            raise PeerFailed(f"peer {self.route[0].peer_id} closed the session: {exc!r}", self.route[0].peer_id) from exc
+        await self._write(self._head, self.route[0], m.to_header(message), pack(flat))
         self.adapter = message.digest
 
     async def step(
@@ -164,13 +262,7 @@ class InferenceSession:
             begin, end = end, end + piece.shape[1]
             piece_positions = None if positions is None else positions[:, begin - offset:end - offset]
             steps.append(await self.submit(piece, None if mask is None else mask[:, :end], piece_positions))
-        outputs, timings = [], {}
-        for step in steps:
-            output, step_timings = await self._reply(m.Result, timeout, step)
-            outputs.append(output)
-            for peer_id, seconds in step_timings:  # per peer, summed over the pieces
-                timings[peer_id] = timings.get(peer_id, 0.0) + seconds
-        self.timings = list(timings.items())
+        outputs = [await self._reply(m.Result, timeout, step) for step in steps]
         if not training:
             self.position += hidden.shape[1]
         self.seconds = time.perf_counter() - t0
@@ -187,25 +279,34 @@ class InferenceSession:
             positions=None if positions is None else positions_to_wire(positions),
             adapter=self.adapter,
         )
+        self._sent_at[self._step] = time.perf_counter()
         await self._send(self._head, self.route[0], message, hidden, self.first_link)
         return self._step
 
     async def result(self, step: int, timeout: float = STEP_TIMEOUT) -> torch.Tensor:
-        output, self.timings = await self._reply(m.Result, timeout, step)
+        output = await self._reply(m.Result, timeout, step)
+        self._timed(step)
         return output
+
+    def _timed(self, step: int) -> None:
+        sent = self._sent_at.pop(step, None)
+        if sent is not None:
+            self.seconds = time.perf_counter() - sent
 
     async def submit_backward(self, step: int, grad: torch.Tensor) -> None:
         """Send the gradient of a training step's output; `backward_result` waits for the rest."""
         if self.purpose != Purpose.TRAINING:
             raise RequestError("backward needs a session opened for training")
         self._param_grads.pop(step, None)
+        self._sent_at[step] = time.perf_counter()
         await self._send(self._sink, self.route[-1], m.Backward(step=step), grad, self.last_link)
 
     async def backward_result(
         self, step: int, timeout: float = STEP_TIMEOUT
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The gradients of the step's input and of the session's adapter parameters."""
-        grad_input, self.timings = await self._reply(m.Backward, timeout, step)
+        grad_input = await self._reply(m.Backward, timeout, step)
+        self._timed(step)
         return grad_input, self._param_grads.pop(step, {})
 
     async def backward(
@@ -216,17 +317,22 @@ class InferenceSession:
         return await self.backward_result(step, timeout)
 
     async def _send(self, writer, record: PeerRecord, message, tensor: torch.Tensor, link: LinkSpeed | None) -> None:
-        # in training, a transfer's budget is the slowest hop's compute time on the last step
-        budget = max((s for _, s in self.timings), default=None) if self.purpose == Purpose.TRAINING else None
+        # in training, a transfer's budget is a hop's share of the last step's time, as this client timed it
+        training = self.purpose == Purpose.TRAINING and self.seconds > 0
+        budget = self.seconds / len(self.route) if training else None
         choice = choose_codec(link, tensor.numel() * 4, self.purpose, self.compression, budget)
+        await self._write(writer, record, m.to_header(message), pack(tensor, choice.codec, choice.k))
+
+    @staticmethod
+    async def _write(writer, record: PeerRecord, header: dict, payload=None) -> None:
         try:
-            await write_frame(writer, m.to_header(message), pack(tensor, choice.codec, choice.k))
-        except (ConnectionError, RuntimeError) as exc:
+            await write_frame(writer, header, payload)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: uvloop's write on a closed transport
             raise PeerFailed(f"peer {record.peer_id} closed the session: {exc!r}", record.peer_id) from exc
 
-    async def _reply(self, kind: type, timeout: float, step: int) -> tuple[torch.Tensor, list[tuple[str, float]]]:
-        """Wait for the `kind` reply to `step` (its tensor and its hops' timings), taking in notices
-        and parameter gradients, keeping replies to other steps, and raising errors on the way."""
+    async def _reply(self, kind: type, timeout: float, step: int) -> torch.Tensor:
+        """Wait for the `kind` reply to `step`, taking in notices and parameter gradients, keeping
+        replies to other steps, and raising errors on the way."""
         early = self._early.pop((kind.kind, step), None)
         if early is not None:
             return early
@@ -240,17 +346,17 @@ class InferenceSession:
             if isinstance(reply, m.Leaving):
                 self.leaving.add(reply.peer_id)
             elif isinstance(reply, m.Error):
-                m.raise_for_error(reply)
+                self._raise(reply)
             elif isinstance(reply, m.ParamGrads):
                 values = unflatten(tensor, [shape for _, shape in reply.entries])
                 self._param_grads.setdefault(reply.step, {}).update(zip([name for name, _ in reply.entries], values))
             elif isinstance(reply, (m.Result, m.Backward)):
                 if isinstance(reply, kind) and reply.step == step:
-                    return tensor, reply.timings
-                self._early[(reply.kind, reply.step)] = (tensor, reply.timings)
+                    return tensor
+                self._early[(reply.kind, reply.step)] = tensor
 
     async def close(self) -> None:
-        for task in self._readers:
+        for task in [*self._readers, *self._checks]:
             task.cancel()
         for writer in (self._head, self._sink):
             if writer is not None:
@@ -258,5 +364,5 @@ class InferenceSession:
                     if writer is self._head:
                         await write_frame(writer, m.to_header(m.Close()))
                     writer.close()
-                except (ConnectionError, RuntimeError):
+                except (OSError, RuntimeError):
                     pass

@@ -108,6 +108,9 @@ class PeerRecord:
         return record if all(0 <= a < b for a, b in ranges) else None
 
 
+MAX_REASON = 200
+
+
 @dataclass(frozen=True)
 class UnreachableReport:
     """A client's hint that a peer stopped answering. Anyone may write one, so readers verify it."""
@@ -115,11 +118,79 @@ class UnreachableReport:
     peer_id: str
     reason: str
 
+    def to_value(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "reason": self.reason[:MAX_REASON]}
+
     @classmethod
     def from_value(cls, value: Any) -> UnreachableReport | None:
-        if not isinstance(value, dict) or not isinstance(value.get("peer_id"), str):
+        if not isinstance(value, dict) or not is_peer_id(value.get("peer_id")):
             return None
-        return cls(peer_id=value["peer_id"], reason=str(value.get("reason", ""))[:200])
+        return cls(peer_id=value["peer_id"], reason=str(value.get("reason", ""))[:MAX_REASON])
+
+
+MAX_WITNESSES = 8
+_HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class FaultReport:
+    """Evidence that a peer computed wrong: a client ran the same step through other peers of the
+    same layers (`witnesses`, whose outputs agreed with each other) and the accused's output was off
+    by a relative `error`. The digests name the step's input and the accused's claimed output, so
+    anyone holding them can check the claim. Who reported it is the signer, never a field."""
+
+    peer_id: str  # the accused
+    start: int
+    end: int
+    error: float
+    input_digest: str  # sha256 hex
+    output_digest: str  # sha256 hex
+    witnesses: tuple[str, ...]
+    time: float
+
+    def to_value(self) -> dict[str, Any]:
+        return {**asdict(self), "witnesses": list(self.witnesses)}
+
+    @classmethod
+    def from_value(cls, value: Any) -> FaultReport | None:
+        """Parse a DHT value; None for anything malformed (anyone may write one)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            witnesses = value["witnesses"]
+            if not isinstance(witnesses, list) or len(witnesses) > MAX_WITNESSES:
+                return None
+            report = cls(
+                peer_id=value["peer_id"],
+                start=value["start"],
+                end=value["end"],
+                error=float(value["error"]),
+                input_digest=value["input_digest"],
+                output_digest=value["output_digest"],
+                witnesses=tuple(witnesses),
+                time=float(value["time"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        ids = [report.peer_id, *report.witnesses]
+        if not all(is_peer_id(i) for i in ids) or report.peer_id in report.witnesses:
+            return None
+        if not all(_is_digest(d) for d in (report.input_digest, report.output_digest)):
+            return None
+        if type(report.start) is not int or type(report.end) is not int or not 0 <= report.start < report.end:
+            return None
+        return report if all(math.isfinite(x) and x >= 0 for x in (report.error, report.time)) else None
+
+
+MAX_ID_LENGTH = 128
+
+
+def is_peer_id(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_LENGTH and value.isascii() and value.isalnum()
+
+
+def _is_digest(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and set(value) <= _HEX
 
 
 MAX_KEY_LENGTH = 128
@@ -143,8 +214,8 @@ class ModelEntry:
 
     @classmethod
     def from_value(cls, subkey: Any, value: Any) -> ModelEntry | None:
-        """Parse a DHT value listed under `subkey`; None for anything malformed (values are untrusted,
-        and names are printed to terminals)."""
+        """Parse a DHT value listed under `subkey` (less its owner marker); None for anything
+        malformed (values are untrusted, and names are printed to terminals)."""
         if not isinstance(value, dict):
             return None
         key, name, layers, hidden = (value.get(f) for f in ("key", "name", "num_layers", "hidden_size"))
@@ -168,6 +239,11 @@ def model_key(model: str) -> str:
 
 def unreachable_key(model: str) -> str:
     return f"p2pfusion.unreachable.{model}"
+
+
+def fault_key(model: str) -> str:
+    """The DHT key of the fault reports against a model's peers (one subkey per accused and reporter)."""
+    return f"p2pfusion.faults.{model}"
 
 
 MODELS_KEY = "p2pfusion.models"  # one ModelEntry per model, under the model's swarm key as subkey

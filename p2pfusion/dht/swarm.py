@@ -2,42 +2,56 @@
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import logging
-import re
-from dataclasses import dataclass
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
 
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
+from hivemind.dht.storage import DHTLocalStorage
+from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pfusion.dht.records import (
+    MAX_DATA_ADDRS,
     MODELS_KEY,
+    FaultReport,
     ModelEntry,
     PeerRecord,
+    PeerState,
     UnreachableReport,
+    fault_key,
     model_key,
     unreachable_key,
 )
+from p2pfusion.dht.storage import MAX_SUBKEYS, CappedStorage
+from p2pfusion.dht.validation import FAULT_TTL, MAX_MADDRS, RECORD_TTL, SwarmValidator, owner_of
 from p2pfusion.errors import RouteError
-from p2pfusion.net.identity import peer_id_of_key
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
 
-RECORD_TTL = 30.0
+LOOKUP_TIMEOUT = 5.0  # seconds a DHT read may take before its caller goes on without it
+# values kept from one read: a search merges what several nodes hold, each node at most MAX_SUBKEYS
+# per key. Well above that, so that a full key's junk (which may expire last) crowds nothing out
+MAX_FOUND = 4 * MAX_SUBKEYS
+HEAL_PINGS = 8  # peers pinged per heal
+REMEMBERED = 600.0  # seconds a peer seen in a lookup stays a candidate for healing
+MAX_REMEMBERED = 1024
 
 
 @dataclass
 class SwarmNode:
     transport: Transport
     dht: DHTNode
-    validator: RSASignatureValidator
+    validator: SwarmValidator
+    seen: dict[str, float] = field(default_factory=dict)  # peer id -> when a lookup last listed it
 
     @property
     def p2p(self) -> P2P:
@@ -47,76 +61,144 @@ class SwarmNode:
     def peer_id(self) -> str:
         return self.transport.peer_id
 
+    @property
+    def writer_id(self) -> str:
+        """Who this node's DHT values are from: the peer id of the key that signs them (a peer's own
+        id; a client's throwaway key otherwise)."""
+        return self.validator.writer_id
+
     async def maddrs(self) -> list[str]:
         return [str(m) for m in await self.p2p.get_visible_maddrs()]
 
+    async def _store(self, key: str, subject: str, value: dict[str, Any], ttl: float) -> bool:
+        """Store under our own subkey for `subject`: signed, and only ours to overwrite."""
+        subkey = subject.encode() + self.validator.local_public_key
+        return await self.dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl)
+
+    async def _read(self, key: str) -> list[tuple[str, str, Any]]:
+        """(subject, writer, value) of the key's subkeys, the latest first; bounded in time and in
+        count. The subject is the subkey less its owner marker, the writer the subkey's signer (the
+        validator has checked the signature)."""
+        try:
+            found = await asyncio.wait_for(self.dht.get(key, latest=True), LOOKUP_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("DHT read of %s took over %.0f s; going on without it", key, LOOKUP_TIMEOUT)
+            return []
+        if found is None or not isinstance(found.value, dict):
+            return []
+        entries = sorted(found.value.items(), key=lambda item: -getattr(item[1], "expiration_time", 0.0))
+        kept = [(_subject(subkey), owner_of(subkey), getattr(e, "value", None)) for subkey, e in entries[:MAX_FOUND]]
+        return [(subject, writer, value) for subject, writer, value in kept if writer is not None]
+
     async def announce(self, record: PeerRecord, ttl: float = RECORD_TTL) -> bool:
-        subkey = record.peer_id.encode() + self.validator.local_public_key
-        return await self.dht.store(
-            model_key(record.model), subkey=subkey, value=record.to_value(), expiration_time=get_dht_time() + ttl
-        )
+        # a host listening on every interface may have more addresses than a record may carry
+        value = record.to_value()
+        value["maddrs"], value["data_addrs"] = value["maddrs"][:MAX_MADDRS], value["data_addrs"][:MAX_DATA_ADDRS]
+        return await self._store(model_key(record.model), record.peer_id, value, ttl)
 
     async def announce_model(self, entry: ModelEntry, ttl: float = RECORD_TTL) -> bool:
         """List the model under a shared key, so `p2pfusion swarm` can show every model served and
         a client asking for an absent one can be told what the swarm has."""
-        return await self.dht.store(
-            MODELS_KEY, subkey=entry.key, value=entry.to_value(), expiration_time=get_dht_time() + ttl
-        )
+        return await self._store(MODELS_KEY, entry.key, {**entry.to_value(), "peer_id": self.writer_id}, ttl)
 
     async def models(self) -> list[ModelEntry]:
         """Every model listed in the last TTL, by display name then key."""
-        found = await self.dht.get(MODELS_KEY, latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        entries = [ModelEntry.from_value(subkey, getattr(e, "value", None)) for subkey, e in found.value.items()]
-        return sorted((e for e in entries if e is not None), key=lambda e: (e.name, e.key))
+        entries = {}
+        for subject, _, value in await self._read(MODELS_KEY):
+            entry = ModelEntry.from_value(subject, value)
+            if entry is not None:
+                entries.setdefault(entry.key, entry)
+        return sorted(entries.values(), key=lambda e: (e.name, e.key))
 
     async def report_unreachable(self, model: str, peer_id: str, reason: str, ttl: float = RECORD_TTL) -> bool:
-        value = {"peer_id": peer_id, "reason": reason[:200]}
-        return await self.dht.store(
-            unreachable_key(model), subkey=peer_id, value=value, expiration_time=get_dht_time() + ttl
-        )
+        value = {**UnreachableReport(peer_id, reason).to_value(), "model": model, "reporter": self.writer_id}
+        return await self._store(unreachable_key(model), peer_id, value, ttl)
 
     async def unreachable_reports(self, model: str) -> list[UnreachableReport]:
-        found = await self.dht.get(unreachable_key(model), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        reports = [UnreachableReport.from_value(getattr(e, "value", None)) for e in found.value.values()]
+        reports = [UnreachableReport.from_value(value) for _, _, value in await self._read(unreachable_key(model))]
         return [r for r in reports if r is not None]
+
+    async def report_faulty(self, model: str, report: FaultReport, ttl: float = FAULT_TTL) -> bool:
+        """Tell other clients that `report.peer_id` computed wrong, signed as this node's."""
+        value = {**report.to_value(), "model": model, "reporter": self.writer_id}
+        return await self._store(fault_key(model), report.peer_id, value, ttl)
+
+    async def fault_reports(self, model: str) -> list[tuple[str, FaultReport]]:
+        """(reporter, report) pairs; the reporter is the report's signer, whatever its value says."""
+        pairs = [(writer, FaultReport.from_value(value)) for _, writer, value in await self._read(fault_key(model))]
+        return [(writer, report) for writer, report in pairs if report is not None]
 
     async def lookup(self, model: str) -> list[PeerRecord]:
         """Every valid, unexpired record of the model's peers, in all states."""
-        found = await self.dht.get(model_key(model), latest=True)
-        if found is None or not isinstance(found.value, dict):
-            return []
         records = []
-        for subkey, entry in found.value.items():
-            record = PeerRecord.from_value(getattr(entry, "value", None))
-            # the validator checked the value is signed by the subkey's owner; that owner must also
-            # be the peer the record names, or anyone could announce layers in another peer's name
-            if record is not None and record.model == model and _owner(subkey) == record.peer_id:
+        for _, writer, value in await self._read(model_key(model)):
+            record = PeerRecord.from_value(value)
+            # a record whose signer is not the peer it names would let anyone announce layers in
+            # another peer's name: the validator refuses it, and readers do not rely on that alone
+            if record is not None and record.model == model and writer == record.peer_id:
                 records.append(record)
+        self._remember(records)
         return records
+
+    def _remember(self, records: list[PeerRecord]) -> None:
+        now = time.monotonic()
+        for record in records:
+            if record.state == PeerState.OFFLINE:
+                self.seen.pop(record.peer_id, None)
+            elif record.peer_id != self.peer_id:
+                self.seen[record.peer_id] = now
+        if len(self.seen) > MAX_REMEMBERED:
+            recent = sorted(self.seen.items(), key=lambda item: -item[1])[:MAX_REMEMBERED]
+            self.seen = dict(recent)
+
+    async def heal(self) -> int:
+        """Ping the initial peers and the peers lookups listed lately that the DHT's routing table
+        lost, so that they come back into it; returns how many answered. hivemind drops a peer from
+        the table when one request to it goes unanswered, and only a later request between the two
+        puts it back: once a node's table is empty it asks nobody, and nobody may ask it (see
+        docs/architecture.md, DHT records). A table of a bucket's size or more is left alone."""
+        table = self.dht.protocol.routing_table
+        if len(table.uid_to_peer_id) >= self.dht.protocol.bucket_size:
+            return 0
+        now = time.monotonic()
+        recent = sorted((p for p, when in self.seen.items() if now - when < REMEMBERED), key=lambda p: -self.seen[p])
+        candidates = [m.rsplit("/p2p/", 1)[-1] for m in self.transport.initial_peers] + recent
+        missing = [p for p in dict.fromkeys(_peer_ids(candidates)) if p not in table][:HEAL_PINGS]
+        if not missing:
+            return 0
+        answers = await asyncio.gather(*(self.dht.protocol.call_ping(p) for p in missing))
+        back = [p for p, node_id in zip(missing, answers) if node_id is not None]
+        for peer in back:
+            self.dht.blacklist.register_success(peer)
+        if back:
+            log.info("the DHT's routing table had lost %d known peers; %d answered again", len(missing), len(back))
+        return len(back)
 
     async def shutdown(self) -> None:
         await self.dht.shutdown()
         await self.transport.shutdown()
 
 
-_OWNER = re.compile(rb"\[owner:(.+?)\]")
+def _subject(subkey: object) -> str:
+    """A subkey less its owner marker: what it is about (a peer, a model)."""
+    text = subkey if isinstance(subkey, bytes) else b""
+    return text.split(b"[owner:", 1)[0].decode(errors="replace")
 
 
-@functools.lru_cache(maxsize=4096)
-def _owner(subkey: object) -> str | None:
-    """The peer id of the RSA key in a subkey's `[owner:...]` marker (None if it has none)."""
-    match = _OWNER.search(subkey) if isinstance(subkey, bytes) else None
-    if match is None:
-        return None
-    try:
-        key = serialization.load_ssh_public_key(match.group(1))
-    except (ValueError, UnsupportedAlgorithm):
-        return None
-    return peer_id_of_key(key) if isinstance(key, rsa.RSAPublicKey) else None
+def _peer_ids(texts: Iterable[str]) -> Iterator[PeerID]:
+    for text in texts:
+        try:
+            yield PeerID.from_base58(text)
+        except ValueError:  # not base58: a record's id is only checked to be alphanumeric
+            continue
+
+
+def _capped(storage: DHTLocalStorage) -> CappedStorage:
+    """A capped storage holding what `storage` got while the node bootstrapped."""
+    capped = CappedStorage()
+    for key, item in storage.items():
+        capped.store(key, item.value, item.expiration_time)
+    return capped
 
 
 class _SigningKey(RSAPrivateKey):
@@ -144,13 +226,16 @@ async def join_swarm(
             try:
                 await transport.listen(host, data_port)
             except OSError as exc:
-                raise RouteError(f"cannot listen for direct connections on {host}:{data_port}: {exc.strerror or exc}") from exc
+                reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
+                raise RouteError(f"cannot listen for direct connections on {host}:{data_port}: {reason}") from exc
         identity = transport.identity
-        validator = RSASignatureValidator(_SigningKey(identity.private_key) if identity else None)
+        validator = SwarmValidator(RSASignatureValidator(_SigningKey(identity.private_key) if identity else None))
         initial_peers = transport.initial_peers
         dht = await DHTNode.create(
             p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode
         )
+        dht.protocol.storage = _capped(dht.protocol.storage)
+        dht.protocol.cache = _capped(dht.protocol.cache)
     except Exception as exc:  # hivemind reports DHT bootstrap failures as assorted types; all end the join
         await transport.shutdown()
         if isinstance(exc, RouteError):

@@ -10,9 +10,11 @@ Error bounds, for x sent and y received (elementwise; NaN and +-inf always arriv
 - topk:      the k largest |x| arrive exactly, every other entry as 0. `ErrorFeedback` carries what
              was dropped into the next tensor, so nothing is lost over a run of steps. A frame may
              not decode to more than MAX_EXPANSION times its size (past the first MiB), so k is at
-             least `min_topk` (1/2048 of a float32 tensor's entries).
+             least `min_topk` (1/32 of a float32 tensor's entries, under the 1/10 that training
+             takes at least).
 A spec (the frame header's description) comes from an untrusted sender: `unpack` checks every
-field against the body before it allocates or reads anything.
+field against the body and the caller's ceiling before it allocates or reads anything, and no
+decode holds more than the decoded tensor, the body and a few MiB of scratch at once.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ OUTLIER_RMS = 6.0
 FLOAT16_MAX = 65504.0
 BFLOAT16_MAX = torch.finfo(torch.bfloat16).max
 MAX_DECODED_BYTES = 1 << 31
-MAX_EXPANSION = 1024  # decoded bytes per body byte a sparse frame may claim (beyond the first MiB)
+MAX_EXPANSION = 16  # decoded bytes per body byte a sparse frame may claim (beyond the first MiB)
+MAX_DIMS = 8
+DECODE_CHUNK = 1 << 18  # entries int8 dequantizes at once: its float32 scratch stays at a few MiB
 
 
 class CodecError(RequestError):
@@ -139,14 +143,24 @@ def _index_dtype(count: int) -> torch.dtype:
     return torch.int32 if count < 2**31 else torch.int64
 
 
+def _brief(value: Any) -> str:
+    """A sender's value in an error message: one short line, whatever it sent."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _check_parts(spec: dict[str, Any], body_size: int, expected: list[int]) -> list[int]:
     parts = spec.get("parts")
-    if not (isinstance(parts, list) and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in parts)):
-        raise CodecError("tensor description has malformed part sizes")
+    if not (
+        isinstance(parts, list)
+        and len(parts) == len(expected)
+        and all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in parts)
+    ):
+        raise CodecError(f"tensor description has malformed part sizes {_brief(parts)}")
     if sum(parts) != body_size:
         raise CodecError(f"tensor parts of {sum(parts)} B do not fit the {body_size} B body")
-    if len(parts) != len(expected) or any(e >= 0 and p != e for p, e in zip(parts, expected)):
-        raise CodecError(f"tensor parts {parts} do not fit codec {spec.get('codec')!r} and shape {spec.get('shape')}")
+    if any(e >= 0 and p != e for p, e in zip(parts, expected)):
+        raise CodecError(f"tensor parts {parts} do not fit codec {spec.get('codec')!r} and shape {_brief(spec.get('shape'))}")
     return parts
 
 
@@ -159,27 +173,50 @@ def _view(body: memoryview, offset: int, size: int, dtype: torch.dtype) -> torch
     return torch.frombuffer(body, dtype=raw_dtype, count=size // dtype.itemsize, offset=offset).view(dtype)
 
 
-def unpack(spec: Any, body: bytearray | memoryview, max_decoded: int = MAX_DECODED_BYTES) -> torch.Tensor:
-    """Rebuild a tensor from a frame's description and its writable body, which the result may
-    share; CodecError on anything inconsistent, or on a tensor over `max_decoded` bytes."""
+def _shape(raw: Any) -> list[int]:
+    if not (
+        isinstance(raw, list)
+        and len(raw) <= MAX_DIMS
+        and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in raw)
+        # an empty tensor's other dimensions too: torch overflows past int64 entries
+        and math.prod(max(d, 1) for d in raw) <= MAX_DECODED_BYTES
+    ):
+        raise CodecError(f"invalid tensor shape {_brief(raw)}")
+    return raw
+
+
+def decoded_limit(max_decoded: int, body_bytes: int) -> int:
+    """The most bytes a tensor decoded from a body of `body_bytes` may take."""
+    return min(max_decoded, MAX_DECODED_BYTES, max(1 << 20, MAX_EXPANSION * body_bytes))
+
+
+def declared(spec: Any, body_bytes: int, max_decoded: int = MAX_DECODED_BYTES) -> tuple[Codec, torch.dtype, list[int]]:
+    """The codec, dtype and shape a tensor description declares, checked against the size of its
+    body and the caller's ceiling on decoded bytes: a frame's reader calls it before reading the
+    body, so a frame that claims too much costs nothing. CodecError says what is wrong."""
     if not isinstance(spec, dict):
         raise CodecError("malformed tensor description in frame header")
     try:
         codec = Codec(spec.get("codec"))
-    except ValueError:
-        raise CodecError(f"unknown codec {spec.get('codec')!r}") from None
+    except (ValueError, TypeError):
+        raise CodecError(f"unknown codec {_brief(spec.get('codec'))}") from None
     dtype = DTYPES.get(spec.get("dtype")) if isinstance(spec.get("dtype"), str) else None
     if dtype is None:
-        raise CodecError(f"unsupported tensor dtype {spec.get('dtype')!r}")
-    shape = spec.get("shape")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)):
-        raise CodecError(f"invalid tensor shape {shape!r}")
-    count = math.prod(shape)
-    body = memoryview(body).cast("B")
-    if count * dtype.itemsize > min(max_decoded, MAX_DECODED_BYTES, max(1 << 20, MAX_EXPANSION * body.nbytes)):
-        raise CodecError(f"a tensor of shape {shape} is too large for a {body.nbytes} B frame")
+        raise CodecError(f"unsupported tensor dtype {_brief(spec.get('dtype'))}")
+    shape = _shape(spec.get("shape"))
+    if math.prod(shape) * dtype.itemsize > decoded_limit(max_decoded, body_bytes):
+        raise CodecError(f"a tensor of shape {shape} is too large for a {body_bytes} B frame on this stream")
     if codec != Codec.NONE and not dtype.is_floating_point:
         raise CodecError(f"codec {codec.value} does not apply to {spec['dtype']}")
+    return codec, dtype, shape
+
+
+def unpack(spec: Any, body: bytearray | memoryview, max_decoded: int = MAX_DECODED_BYTES) -> torch.Tensor:
+    """Rebuild a tensor from a frame's description and its writable body, which the result may
+    share; CodecError on anything inconsistent, or on a tensor over `max_decoded` bytes."""
+    body = memoryview(body).cast("B")
+    codec, dtype, shape = declared(spec, body.nbytes, max_decoded)
+    count = math.prod(shape)
     if codec == Codec.NONE:
         _check_parts(spec, body.nbytes, [count * dtype.itemsize])
         out = _view(body, 0, count * dtype.itemsize, dtype)
@@ -200,10 +237,14 @@ def _unpack_int8(spec: dict[str, Any], body: memoryview, count: int, dtype: torc
     exceptions = i_size // 8
     if i_size % 8 or v_size != exceptions * dtype.itemsize:
         raise CodecError("int8 frame: exception indices and values do not match")
-    q = _view(body, 0, q_size, torch.int8).float()
+    q = _view(body, 0, q_size, torch.int8)
     scales = _view(body, q_size, s_size, torch.float32)
-    q = torch.nn.functional.pad(q, (0, -count % BLOCK)).view(-1, BLOCK)
-    out = (q * scales[:, None]).reshape(-1)[:count].to(dtype)
+    out = torch.empty(count, dtype=dtype)
+    for first in range(0, count, DECODE_CHUNK):  # DECODE_CHUNK is whole blocks
+        chunk = q[first : first + DECODE_CHUNK].float()
+        rows = torch.nn.functional.pad(chunk, (0, -chunk.numel() % BLOCK)).view(-1, BLOCK)
+        rows *= scales[first // BLOCK : first // BLOCK + rows.shape[0], None]
+        out[first : first + chunk.numel()] = rows.view(-1)[: chunk.numel()]
     if exceptions:
         index = _view(body, q_size + s_size, i_size, torch.int64)
         if index.min() < 0 or index.max() >= count:
@@ -215,7 +256,7 @@ def _unpack_int8(spec: dict[str, Any], body: memoryview, count: int, dtype: torc
 def _unpack_topk(spec: dict[str, Any], body: memoryview, count: int, dtype: torch.dtype) -> torch.Tensor:
     k = spec.get("k")
     if not (isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= count):
-        raise CodecError(f"topk frame: k must be in 0..{count}, got {k!r}")
+        raise CodecError(f"topk frame: k must be in 0..{count}, got {_brief(k)}")
     index_dtype = _index_dtype(count)
     i_size, v_size = _check_parts(spec, body.nbytes, [k * index_dtype.itemsize, k * dtype.itemsize])
     out = torch.zeros(count, dtype=dtype)

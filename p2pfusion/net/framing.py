@@ -17,11 +17,13 @@ import msgpack
 import torch
 
 from p2pfusion.errors import RequestError
-from p2pfusion.net.codecs import MAX_DECODED_BYTES, CodecError, Packed, pack, unpack
+from p2pfusion.net.codecs import MAX_DECODED_BYTES, CodecError, Packed, declared, pack, unpack
 
 PREFIX = struct.Struct("!IQ")
 MAX_HEADER_BYTES = 1 << 20
 MAX_BODY_BYTES = 1 << 31
+MAX_HEADER_MAP = 64  # keys in any map of a header: every message's maps hold a dozen at most
+READ_CHUNK = 1 << 20  # a body grows as its bytes arrive, never ahead of them
 
 
 @dataclass(frozen=True)
@@ -91,25 +93,54 @@ async def read_frame(
         packed = await reader.readexactly(header_len)
     except asyncio.IncompleteReadError as exc:
         raise FrameError("stream ended inside a frame") from exc
-    try:
-        header = msgpack.unpackb(packed, raw=False)
-    except (ValueError, msgpack.UnpackException) as exc:
-        raise FrameError(f"undecodable frame header: {exc}") from exc
-    if not isinstance(header, dict):
-        raise FrameError("frame header is not a map")
-    if body_len and limits.tensor_kinds is not None and header.get("kind") not in limits.tensor_kinds:
-        raise FrameError(f"a {str(header.get('kind'))[:40]!r} frame carries no body, got {body_len} B")
-    try:
-        # a buffer of its own, so the tensor decoded from it is an ordinary writable one
-        body = bytearray(await reader.readexactly(body_len)) if body_len else bytearray()
-    except asyncio.IncompleteReadError as exc:
-        raise FrameError("stream ended inside a frame") from exc
+    header = _decode_header(packed)
+    kind = header.get("kind")
+    if body_len and limits.tensor_kinds is not None and not (isinstance(kind, str) and kind in limits.tensor_kinds):
+        raise FrameError(f"a {str(kind)[:40]!r} frame carries no body, got {body_len} B")
     spec = header.pop("tensor", None)
     if spec is None:
-        if body:
+        if body_len:
             raise FrameError("frame has a body but no tensor description")
         return header, None
+    try:
+        declared(spec, body_len, limits.decoded)
+    except CodecError as exc:
+        await _skip(reader, body_len)  # keeps the stream in step without holding the body
+        raise BadTensor(str(exc), header) from exc
+    body = await _read_body(reader, body_len)
     try:
         return header, unpack(spec, body, limits.decoded)
     except CodecError as exc:
         raise BadTensor(str(exc), header) from exc
+
+
+def _decode_header(packed: bytes) -> dict[str, Any]:
+    try:
+        # msgpack bounds strings and arrays by the header's own size; maps cost more per byte
+        header = msgpack.unpackb(packed, raw=False, max_map_len=MAX_HEADER_MAP)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise FrameError(f"undecodable frame header: {str(exc)[:100]}") from exc
+    if not isinstance(header, dict):
+        raise FrameError("frame header is not a map")
+    return header
+
+
+async def _read_body(reader: asyncio.StreamReader, size: int) -> bytearray:
+    """The body in one writable buffer of its own (so the tensor decoded from it is an ordinary
+    writable one), grown chunk by chunk: memory follows the bytes that arrived, not the prefix's
+    claim, and no second copy of a large body exists at any time."""
+    body = bytearray()
+    while len(body) < size:
+        chunk = await reader.read(min(size - len(body), READ_CHUNK))
+        if not chunk:
+            raise FrameError("stream ended inside a frame")
+        body += chunk
+    return body
+
+
+async def _skip(reader: asyncio.StreamReader, size: int) -> None:
+    while size:
+        chunk = await reader.read(min(size, READ_CHUNK))
+        if not chunk:
+            raise FrameError("stream ended inside a frame")
+        size -= len(chunk)

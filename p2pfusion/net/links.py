@@ -21,6 +21,7 @@ LINK_TTL = 600.0  # links change slowly; measure again after this long
 FAILED_TTL = 30.0  # a peer that could not be measured (still loading, say) is tried again sooner
 PROBE_BYTES = 256 << 10
 PROBE_TIMEOUT = 5.0
+MAX_LINKS = 4096  # past this many peers known, stale entries are dropped
 
 
 class LinkBook:
@@ -32,7 +33,7 @@ class LinkBook:
     async def get(self, peer_id: str, data_addrs: list[str]) -> LinkSpeed | None:
         """The link to `peer_id`, measuring it first if unknown or stale; None if it cannot be measured."""
         entry = self._links.get(peer_id)
-        if entry is not None and time.monotonic() - entry[0] < (LINK_TTL if entry[1] is not None else FAILED_TTL):
+        if entry is not None and _fresh(entry, time.monotonic()):
             return entry[1]
         task = self._pending.get(peer_id)
         if task is None:  # sessions opening together to one peer share one probe
@@ -43,8 +44,15 @@ class LinkBook:
     async def _measure(self, peer_id: str, data_addrs: list[str]) -> LinkSpeed | None:
         try:
             link = await probe.measure_link(self.transport, peer_id, data_addrs, PROBE_BYTES, PROBE_TIMEOUT)
-        except Exception as exc:  # unmeasured links go uncompressed
+        except Exception as exc:  # libp2p reports unreachable peers as assorted errors; unmeasured links go uncompressed
             log.info("could not measure the link to %s: %r", peer_id, exc)
             link = None
-        self._links[peer_id] = (time.monotonic(), link)
+        now = time.monotonic()
+        if len(self._links) >= MAX_LINKS:
+            self._links = {p: e for p, e in self._links.items() if _fresh(e, now)}
+        self._links[peer_id] = (now, link)
         return link
+
+
+def _fresh(entry: tuple[float, LinkSpeed | None], now: float) -> bool:
+    return now - entry[0] < (LINK_TTL if entry[1] is not None else FAILED_TTL)

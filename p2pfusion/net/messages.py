@@ -196,9 +196,10 @@ def _hop(raw: Any) -> Hop:
 
 def from_header(header: dict[str, Any]) -> Any:
     """Validate a decoded header into its message type, or raise RequestError saying why."""
-    cls = MESSAGES.get(header.get("kind"))
+    kind = header.get("kind")
+    cls = MESSAGES.get(kind) if isinstance(kind, str) else None  # a list or map is no kind (and unhashable)
     if cls is None:
-        raise RequestError(f"unknown message kind {header.get('kind')!r}")
+        raise RequestError(f"unknown message kind {str(kind)[:40]!r}")
     if cls is Open:
         route = _typed(header.get("route"), list, "route")
         if len(route) > MAX_ROUTE:

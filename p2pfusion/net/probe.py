@@ -13,24 +13,26 @@ from contextlib import asynccontextmanager
 
 import torch
 
+from p2pfusion.errors import RequestError
 from p2pfusion.net.compression import LinkSpeed
-from p2pfusion.net.framing import read_frame, write_frame
+from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
 from p2pfusion.net.transport import Transport
 
 PROTOCOL = "p2pfusion.probe.v1"
 MAX_ECHO_BYTES = 16 << 20  # a probe never makes a peer echo more than this
+PROBE_LIMITS = FrameLimits(header=4 << 10, body=MAX_ECHO_BYTES, decoded=MAX_ECHO_BYTES)
+PROBE_IDLE = 10.0  # a probe's frames come back to back; a stream quiet this long is dropped
 
 
-async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Answer each frame with itself, until the stream ends; one-way streams ask for no answer."""
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str) -> None:
+    """Answer each frame with itself, until the stream ends; one-way streams ask for no answer.
+    A probe that sends garbage, too much or nothing just loses its stream."""
     try:
         while True:
-            header, tensor = await read_frame(reader)
-            if tensor is not None and tensor.numel() * tensor.element_size() > MAX_ECHO_BYTES:
-                return
+            header, tensor = await asyncio.wait_for(read_frame(reader, PROBE_LIMITS), PROBE_IDLE)
             if header.get("echo", True):
                 await write_frame(writer, header, tensor)
-    except Exception:  # a probe that sends garbage just loses its stream
+    except (EOFError, RequestError, TimeoutError, OSError):
         return
     finally:
         writer.close()
@@ -54,7 +56,7 @@ async def _round_trips(reader, writer, tensor: torch.Tensor | None, rounds: int)
     for _ in range(rounds):
         t0 = time.perf_counter()
         await write_frame(writer, {"probe": 1}, tensor)
-        await read_frame(reader)
+        await read_frame(reader, PROBE_LIMITS)  # a hostile peer's answer costs no more than a probe
         best = min(best, time.perf_counter() - t0)
     return best
 

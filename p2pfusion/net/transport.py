@@ -14,7 +14,9 @@ import asyncio
 import dataclasses
 import ipaddress
 import logging
+import resource
 import socket
+import ssl
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -23,19 +25,88 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 
 from p2pfusion.errors import RouteError
-from p2pfusion.net.framing import FrameError, encode, read_frame, write_frame
+from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, client_context, verify_peer
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+# (reader, writer, source): source is "ip:<IPv4 address>", "ip:<IPv6 /64 network>" for direct
+# connections, "peer:<base58 peer id>" for libp2p streams
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 JOIN_TIMEOUT = 20.0
 DIRECT_TIMEOUT = 3.0  # a direct dial slower than this is treated as unreachable
 DIRECT_RETRY = 60.0  # after a failed direct dial, use libp2p to that peer for this long
+MAX_DIALED = 3  # addresses of one peer dialed (at once) before falling back to libp2p
+HELLO_TIMEOUT = DIRECT_TIMEOUT  # for the TLS handshake and the hello together, as a dialer allows
+HELLO_LIMITS = FrameLimits(header=1 << 10, body=0)
+MAX_PER_SOURCE = 64  # streams one source holds open at once (each session holds one or two)
+MAX_CONNECTIONS = 4096  # streams held open at once in all, unless the fd limit calls for fewer
+FD_RESERVE = 256  # descriptors kept for everything else: model files, the DHT, the daemon's socket
+REFUSAL_LOG_INTERVAL = 10.0
 # Large enough that a 128-token hidden state arrives without pausing the socket half-way.
 STREAM_LIMIT = 8 << 20
+
+
+def connection_budget(fd_limit: int) -> int:
+    """How many incoming streams a node holds at once, given its file descriptor limit: each may
+    cost two descriptors (a hop opens the next hop for each session it serves)."""
+    return max(1, min(MAX_CONNECTIONS, (fd_limit - FD_RESERVE) // 2))
+
+
+def _fd_limit() -> int:
+    """The process's descriptor limit, first raised to the hard limit where the soft one is lower
+    (often 1,024, which would leave a peer room for a few hundred streams)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        wanted = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+        if wanted > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+                soft = wanted
+            except (ValueError, OSError):  # a container may forbid it: the caps follow the lower limit
+                pass
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+class ConnectionCaps:
+    """Which incoming streams to admit: at most `per_source` open from one source, and `total` in all."""
+
+    def __init__(self, per_source: int = MAX_PER_SOURCE, total: int | None = None):
+        self.per_source = per_source
+        self.total = connection_budget(_fd_limit()) if total is None else total
+        self.open: dict[str, int] = {}
+        self.open_total = 0
+
+    def admit(self, source: str) -> bool:
+        if self.open_total >= self.total or self.open.get(source, 0) >= self.per_source:
+            return False
+        self.open[source] = self.open.get(source, 0) + 1
+        self.open_total += 1
+        return True
+
+    def release(self, source: str) -> None:
+        left = self.open[source] - 1
+        if left:
+            self.open[source] = left
+        else:
+            del self.open[source]
+        self.open_total -= 1
+
+
+def source_of(peername: object) -> str:
+    """The source a direct connection counts against: its IPv4 address, or its IPv6 /64 (one host's
+    usual allocation, so rotating addresses within it gains nothing)."""
+    try:
+        ip = ipaddress.ip_address(str(peername[0]).split("%")[0])  # type: ignore[index]
+    except (TypeError, IndexError, ValueError):
+        return "ip:unknown"
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.version == 6:
+        return f"ip:{ipaddress.ip_network((ip, 64), strict=False)}"
+    return f"ip:{ip}"
 
 
 class Transport:
@@ -48,9 +119,14 @@ class Transport:
         self.identity = identity
         self.data_addrs: list[str] = []
         self._handlers: dict[str, Handler] = {}
-        self._server: asyncio.Server | None = None
+        self._listener: socket.socket | None = None
+        self._server_tls: ssl.SSLContext | None = None
+        self._serving: set[asyncio.Task] = set()  # the accept loop and direct connections (tasks are weakly held)
         self._client_tls = client_context()
         self._direct_failed: dict[str, float] = {}
+        self.caps = ConnectionCaps()
+        self._refused = 0  # connections refused since the last log line about them
+        self._next_refusal_log = 0.0
         self.announce_host = announce_host
         self.initial_peers = list(initial_peers)  # those it joined through (never itself)
 
@@ -111,10 +187,15 @@ class Transport:
         """Accept direct TLS connections on host:port (0: any free port); returns the addresses to announce."""
         if self.identity is None:
             raise RouteError("a client-mode node does not accept connections")
-        self._server = await asyncio.start_server(
-            self._accept, host, port, ssl=self.identity.server_context(), limit=STREAM_LIMIT, ssl_handshake_timeout=10
-        )
-        bound = self._server.sockets[0].getsockname()[1]
+        self._server_tls = self.identity.server_context()
+        # Connections are accepted here, not by asyncio's server: each is counted against the caps
+        # before its TLS handshake starts, and nothing is read from a refused one.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        dualstack = host == "::" and socket.has_dualstack_ipv6()
+        self._listener = socket.create_server((host, port), family=family, backlog=1024, dualstack_ipv6=dualstack)
+        self._listener.setblocking(False)
+        self._spawn(self._accept_loop(self._listener))
+        bound = self._listener.getsockname()[1]
         self.data_addrs = await self._announced_addrs(host, bound)
         return self.data_addrs
 
@@ -135,8 +216,16 @@ class Transport:
     async def add_handler(self, protocol: str, handler: Handler) -> None:
         self._handlers[protocol] = handler
 
-        async def via_libp2p(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            await handler(reader, writer)
+        async def via_libp2p(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            source = f"peer:{info.peer_id.to_base58()}"
+            if not self.caps.admit(source):
+                writer.close()
+                self._log_refusal(source)
+                return
+            try:
+                await handler(reader, writer, source)
+            finally:
+                self.caps.release(source)
 
         await self.p2p.add_binary_stream_handler(protocol, via_libp2p)
 
@@ -144,34 +233,117 @@ class Transport:
         self._handlers.pop(protocol, None)
         await self.p2p.remove_binary_stream_handler(protocol)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Read the hello and hand the stream to its protocol's handler, which then owns it."""
+    def _log_refusal(self, source: str) -> None:
+        """One log line per interval, however many streams the caps refuse."""
+        self._refused += 1
+        now = time.monotonic()
+        if now >= self._next_refusal_log:
+            log.info(
+                "refused %d connections over the caps (%d per source, %d in all; latest from %s)",
+                self._refused, self.caps.per_source, self.caps.total, source,
+            )
+            self._refused, self._next_refusal_log = 0, now + REFUSAL_LOG_INTERVAL
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._serving.add(task)
+        task.add_done_callback(self._serving.discard)
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, addr = await loop.sock_accept(listener)
+            except OSError as exc:  # out of descriptors (EMFILE), or a connection reset while queued
+                log.warning("accepting a direct connection failed: %s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            source = source_of(addr)
+            if self.caps.admit(source):
+                self._spawn(self._serve_direct(conn, source))
+            else:
+                conn.close()
+                self._log_refusal(source)
+
+    async def _serve_direct(self, conn: socket.socket, source: str) -> None:
+        """TLS, the hello, then the protocol's handler, which owns the stream; the connection counts
+        against the caps until the handler returns."""
         try:
-            header, _ = await asyncio.wait_for(read_frame(reader), DIRECT_TIMEOUT)
-            handler = self._handlers.get(header.get("protocol"))
+            stream = await self._hello(conn)
+            if stream is not None:
+                handler, reader, writer = stream
+                await handler(reader, writer, source)
+        finally:
+            self.caps.release(source)
+
+    async def _hello(self, conn: socket.socket) -> tuple[Handler, asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The handshake and hello within HELLO_TIMEOUT, and the handler the hello names; None
+        (the connection closed) when any of them fails."""
+        loop = asyncio.get_running_loop()
+        reader = asyncio.StreamReader(limit=STREAM_LIMIT)
+        protocol = asyncio.StreamReaderProtocol(reader)
+        writer = None
+
+        async def handshake_and_hello() -> dict:
+            nonlocal writer
+            tls, _ = await loop.connect_accepted_socket(
+                lambda: protocol, conn, ssl=self._server_tls, ssl_handshake_timeout=HELLO_TIMEOUT
+            )  # on failure, closes the socket it took
+            writer = asyncio.StreamWriter(tls, protocol, reader, loop)
+            header, _ = await read_frame(reader, HELLO_LIMITS)
+            return header
+
+        try:
+            header = await asyncio.wait_for(handshake_and_hello(), HELLO_TIMEOUT)
+            name = header.get("protocol")
+            handler = self._handlers.get(name) if isinstance(name, str) else None
             if handler is None:
-                await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {header.get('protocol')!r}"})
-        except (TimeoutError, EOFError, FrameError, ConnectionError) as exc:
+                await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {str(name)[:60]!r}"})
+        except (TimeoutError, EOFError, FrameError, OSError) as exc:  # OSError: TLS and socket errors
             log.debug("dropped a direct connection before its hello: %r", exc)
             handler = None
         if handler is None:
-            writer.close()
-            return
-        await handler(reader, writer)
+            if writer is not None:
+                writer.close()
+            return None
+        return handler, reader, writer
 
     async def open(self, peer_id: str, data_addrs: list[str], protocol: str, timeout: float = 15.0) -> Stream:
-        """A stream to `protocol` on `peer_id`: direct when it answers there, else through libp2p."""
+        """A stream to `protocol` on `peer_id`: direct when one of its first MAX_DIALED addresses
+        answers as that peer within DIRECT_TIMEOUT, else through libp2p within `timeout`."""
         if data_addrs and self._direct_failed.get(peer_id, 0.0) < time.monotonic():
-            for addr in data_addrs:
-                try:
-                    return await asyncio.wait_for(self._open_direct(peer_id, addr, protocol), min(timeout, DIRECT_TIMEOUT))
-                except (OSError, TimeoutError, ValueError, RouteError) as exc:
-                    log.info("no direct connection to %s at %s (%r); using libp2p", peer_id, addr, exc)
+            addrs = data_addrs[:MAX_DIALED]
+            try:
+                return await asyncio.wait_for(self._dial(peer_id, addrs, protocol), min(timeout, DIRECT_TIMEOUT))
+            except (OSError, TimeoutError, ValueError, RouteError) as exc:
+                log.info("no direct connection to %s at %s (%r); using libp2p", peer_id, ", ".join(addrs), exc)
+            self._direct_failed = {p: t for p, t in self._direct_failed.items() if t > time.monotonic()}
             self._direct_failed[peer_id] = time.monotonic() + DIRECT_RETRY
         _, reader, writer = await asyncio.wait_for(
             self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
         )
         return reader, writer
+
+    async def _dial(self, peer_id: str, addrs: list[str], protocol: str) -> Stream:
+        """The first of `addrs`, dialed at once, to prove itself `peer_id`; the others are closed."""
+        dials = [asyncio.ensure_future(self._open_direct(peer_id, addr, protocol)) for addr in addrs]
+        winner: Stream | None = None
+        try:
+            errors: list[Exception] = []
+            for dial in asyncio.as_completed(dials):
+                try:
+                    winner = await dial
+                    return winner
+                except (OSError, ValueError, RouteError) as exc:
+                    errors.append(exc)
+            raise errors[-1]
+        finally:
+            for dial in dials:
+                dial.cancel()
+            await asyncio.wait(dials)
+            for dial in dials:
+                if not dial.cancelled() and dial.exception() is None and dial.result() is not winner:
+                    dial.result()[1].close()
 
     async def _open_direct(self, peer_id: str, addr: str, protocol: str) -> Stream:
         host, port = _split_addr(addr)
@@ -185,8 +357,10 @@ class Transport:
         return reader, writer
 
     async def shutdown(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for task in list(self._serving):
+            task.cancel()
+        if self._listener is not None:
+            self._listener.close()
         await self.p2p.shutdown()
 
 

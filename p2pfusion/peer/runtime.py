@@ -24,7 +24,11 @@ from p2pfusion.net import probe
 from p2pfusion.net.compression import AUTO
 from p2pfusion.net.links import LinkBook
 from p2pfusion.peer.balance import Capacity, Placement, place_peer, reclaim, stage_most_at_risk, yields_to
+from p2pfusion.peer.admission import Budget
 from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name
+from p2pfusion.peer.directory import HopDirectory
+from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimits
+from p2pfusion.peer.memory import default_session_memory
 from p2pfusion.peer.server import StageServer
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,11 @@ class PeerOptions:
     rebalance_period: float = 120.0
     report_period: float = 60.0  # seconds between the INFO lines on what the peer served
     drain_timeout: float = 10.0
+    session_memory: int | None = None  # bytes of KV cache for all sessions; None: default_session_memory
+    client_share: float = 0.5  # of session_memory, the most one source (client address, upstream peer) holds
+    client_sessions: int = 64  # sessions one source may hold open
+    idle_timeout: float = IDLE_TIMEOUT  # seconds a session may go without a step before it expires
+    first_frame_timeout: float = FIRST_FRAME_TIMEOUT
 
 
 class Peer:
@@ -74,6 +83,7 @@ class Peer:
         self.started = time.monotonic()
         self.reload_seconds_per_layer = 1.0  # replaced by the measured time of this peer's own loads
         self.links = LinkBook(swarm.transport)
+        self.directory = HopDirectory(lambda: swarm.lookup(self.model))  # where next hops may be dialled
         self._checked: dict[str, tuple[float, bool]] = {}
 
     async def live_records(self) -> tuple[list[PeerRecord], set[str]]:
@@ -144,13 +154,22 @@ class Peer:
             placement = await self._settle(placement)
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
-            stage, self.swarm.transport, self.links, self.options.max_length, self.options.compression,
-            bench.decode_threads, self.options.training_memory,
+            stage, self.swarm.transport, self.links, self.directory, self._serving_limits(), self.num_layers,
+            self.options.max_length, self.options.compression, bench.decode_threads, self.options.training_memory,
         )
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"
         log.info("%s layers %d:%d as %s", role, placement.start, placement.end, self.swarm.peer_id)
+
+    def _serving_limits(self) -> ServingLimits:
+        options = self.options
+        total = options.session_memory
+        if total is None:
+            total = default_session_memory(options.device)
+        log.info("sessions may reserve %.0f MiB of KV cache", total / (1 << 20))
+        budget = Budget(total, options.client_share, options.client_sessions)
+        return ServingLimits(budget, options.idle_timeout, options.first_frame_timeout)
 
     async def _settle(self, placement: Placement) -> Placement:
         """Look again once our claim is visible: a peer that joined at the same moment may have

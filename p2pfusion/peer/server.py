@@ -2,7 +2,9 @@
 and gradients passed back upstream for training.
 
 A bad request fails only its own session (or only its own step, when the stream is still
-readable); every other session on this peer goes on. See p2pfusion.net.messages for the protocol.
+readable); every other session on this peer goes on. Every stream is bounded: its frames by
+`peer.limits` (checked before anything is read or allocated), its silences by timeouts, and the
+memory its sessions reserve by `peer.admission`. See p2pfusion.net.messages for the protocol.
 """
 
 from __future__ import annotations
@@ -11,25 +13,34 @@ import asyncio
 import dataclasses
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable
 
 import torch
 
-from p2pfusion.errors import PeerFailed, RequestError
+from p2pfusion.errors import PeerBusy, PeerFailed, RequestError, SessionExpired
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import pack
-from p2pfusion.net.compression import AUTO
-from p2pfusion.net.framing import BadTensor, FrameError, read_frame, write_frame
+from p2pfusion.net.compression import AUTO, Purpose
+from p2pfusion.net.framing import BadTensor, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
 from p2pfusion.net.transport import Transport
-from p2pfusion.peer.session import Session, StepInputs
+from p2pfusion.peer import memory
+from p2pfusion.peer.admission import Reservation, kv_bytes_per_token, refusal
+from p2pfusion.peer.compute import StageCompute
+from p2pfusion.peer.directory import dial_addrs
+from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits
+from p2pfusion.peer.relay import relay, screen
+from p2pfusion.peer.session import Session
+from p2pfusion.peer.streams import error_for, send_quietly, step_of, write
 
 log = logging.getLogger(__name__)
 
-SUBSCRIBE_WAIT = 10.0
-SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
+SUBSCRIBE_WAIT = 10.0  # the last hop waits this long for the client's result stream, and it for the session
+ONWARD_WAIT = 30.0  # for the next hop's answer to an Open (it answers once the rest of the route is up)
+
+Directory = Callable[[str], Awaitable[list[str] | None]]  # peer id -> its announced data addresses
 
 
 class StageServer:
@@ -38,6 +49,9 @@ class StageServer:
         stage: Stage,
         transport: Transport,
         links: LinkBook,
+        directory: Directory,
+        limits: ServingLimits,
+        model_layers: int,
         max_length: int = 2048,
         compression: str = AUTO,
         decode_threads: int | None = None,
@@ -46,6 +60,9 @@ class StageServer:
         self.stage = stage
         self.transport = transport
         self.links = links
+        self.directory = directory
+        self.limits = limits
+        self.model_layers = model_layers
         self.compression = compression  # what this peer's operator forces, unless the client does
         self.peer_id = transport.peer_id
         self.max_length = max_length
@@ -54,68 +71,95 @@ class StageServer:
         self.sessions: dict[str, Session] = {}
         self._sinks: dict[str, asyncio.StreamWriter] = {}
         self._sink_ready: dict[str, asyncio.Event] = {}
-        # One compute thread: torch already uses every core per op, and steps must not interleave.
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
-        self._queued = 0  # steps given to the compute thread and not yet done
-        self._all_threads = torch.get_num_threads()
-        self._decode_threads = decode_threads or self._all_threads
+        self.compute = StageCompute(decode_threads, training_memory, limits.prefill_chunk)
+        self._freed = 0  # bytes of sessions ended since the heap was last trimmed
         self.draining = False
-        # activations kept between training steps' forward and backward passes, across sessions;
-        # beyond this, a backward pass computes its forward again instead
-        self.training_memory = training_memory
-        self.graph_bytes = 0
+        self._streams: tuple[Stage, StreamLimits] | None = None
+
+    @property
+    def graph_bytes(self) -> int:
+        """Activations kept for training sessions' backward passes."""
+        return self.compute.graph_bytes
+
+    @property
+    def streams(self) -> StreamLimits:
+        """Frame limits of this stage's streams (a move to other layers changes them)."""
+        if self._streams is None or self._streams[0] is not self.stage:
+            self._streams = (self.stage, stream_limits(self.stage, self.model_layers))
+        return self._streams[1]
+
+    def reservation(self, msg: m.Open) -> int:
+        """Bytes a session reserves: the KV cache it may grow to, or a training session's saved inputs."""
+        stage, itemsize = self.stage, self.stage.dtype.itemsize
+        if msg.purpose == Purpose.TRAINING:
+            return m.MAX_SAVED * m.MAX_STEP_TOKENS * stage.hidden_size * itemsize
+        config = stage.module.config
+        heads = config.num_key_value_heads or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return msg.batch * msg.max_length * kv_bytes_per_token(stage.end - stage.start, heads, head_dim, itemsize)
 
     async def start(self) -> None:
         await self.transport.add_handler(m.PROTOCOL, self._handle)
 
     async def stop(self) -> None:
         await self.transport.remove_handler(m.PROTOCOL)
-        self._compute.shutdown(wait=True)
+        self.compute.shutdown()
 
     async def drain(self, timeout: float) -> None:
         """Refuse new sessions, tell current clients to move, and let their steps in flight finish."""
         self.draining = True
         for session in list(self.sessions.values()):
-            await _send_quietly(session.upstream, m.Leaving(peer_id=self.peer_id))
+            await send_quietly(session.upstream, m.Leaving(peer_id=self.peer_id))
         deadline = time.monotonic() + timeout
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str = "unknown") -> None:
+        """`source` names who opened the stream ("ip:<address>" or "peer:<id>"): the unit of the
+        per-client caps."""
         try:
-            header, _ = await read_frame(reader)
+            try:
+                async with asyncio.timeout(self.limits.first_frame_timeout):
+                    header, _ = await read_frame(reader, self.streams.first)
+            except TimeoutError:
+                raise RequestError(f"no request within {self.limits.first_frame_timeout:g} s of connecting") from None
             message = m.from_header(header)
             if isinstance(message, m.Subscribe):
                 await self._serve_subscriber(message, reader, writer)
             elif isinstance(message, m.Open):
-                await self._serve_session(message, reader, writer)
+                await self._serve_session(message, reader, writer, source)
             elif isinstance(message, m.Ping):
                 reply = m.Error("this peer is leaving the swarm", failed_peer=self.peer_id) if self.draining else m.Ack()
-                await _write(writer, m.to_header(reply))
+                await write(writer, m.to_header(reply))
             else:
                 raise RequestError(f"unknown session: a {message.kind!r} message came before 'open'")
         except EOFError:
             pass
+        except (PeerBusy, SessionExpired) as exc:  # the client's share, or its silence: no fault of anyone
+            log.info("%s", exc)
+            await send_quietly(writer, error_for(exc))
         except PeerFailed as exc:
             log.warning("%s", exc)
-            await _send_quietly(writer, m.Error(message=str(exc), failed_peer=exc.peer_id))
+            await send_quietly(writer, error_for(exc))
         except RequestError as exc:
-            log.warning("rejected a request: %s", exc)
-            await _send_quietly(writer, m.Error(message=str(exc)))
+            log.warning("rejected a request from %s: %s", source, exc)
+            await send_quietly(writer, m.Error(message=str(exc)))
         except ConnectionError as exc:  # expected whenever a client quits mid-session: Ctrl-C, a closed socket
             log.info("a client went away mid-session (%s: %s)", type(exc).__name__, exc)
         except Exception as exc:  # a bug or a broken connection must cost one request, not the peer
             log.exception("request failed")
-            await _send_quietly(writer, m.Error(message=f"internal error on peer: {exc}"))
+            await send_quietly(writer, m.Error(message=f"internal error on peer: {exc}"))
         finally:
             writer.close()
 
     async def _serve_subscriber(self, msg: m.Subscribe, reader, writer) -> None:
         """The client's stream to the last hop: results go out on it, training gradients come in."""
+        if msg.session_id in self._sinks:
+            raise RequestError(f"subscribe: session {msg.session_id} already has a result stream")
         self._sinks[msg.session_id] = writer
         self._sink_ready.setdefault(msg.session_id, asyncio.Event()).set()
         try:
-            await _write(writer, m.to_header(m.Ack()))
+            await write(writer, m.to_header(m.Ack()))
             await self._serve_gradients(msg.session_id, reader, writer)
         finally:
             self._sinks.pop(msg.session_id, None)
@@ -135,17 +179,30 @@ class StageServer:
             )
         if not 0 < msg.max_length <= self.max_length:
             raise RequestError(f"open: max_length must be in 1..{self.max_length}, got {msg.max_length}")
+        if not 0 < msg.batch <= m.MAX_STEP_TOKENS:
+            raise RequestError(f"open: batch must be in 1..{m.MAX_STEP_TOKENS}, got {msg.batch}")
         if msg.session_id in self.sessions:
             raise RequestError(f"open: session {msg.session_id} already exists")
         if self.draining:
             raise PeerFailed("open: this peer is leaving the swarm", self.peer_id)
 
-    async def _serve_session(self, msg: m.Open, reader, writer) -> None:
+    def _admit(self, msg: m.Open, source: str) -> int:
+        """The bytes the session reserves; PeerBusy when the budget, or this source's share, lacks them."""
+        request = Reservation(source, self.reservation(msg))
+        held = [Reservation(s.source, s.reserved) for s in self.sessions.values()]
+        why = refusal(self.limits.budget, held, request)
+        if why is not None:
+            raise PeerBusy(f"peer {self.peer_id} busy: {why}", self.peer_id)
+        return request.nbytes
+
+    async def _serve_session(self, msg: m.Open, reader, writer, source: str) -> None:
         self._check_open(msg)
         session = Session(
             msg.session_id, msg.max_length, self.stage, writer, msg.purpose,
             compression=msg.compression if msg.compression != AUTO else self.compression,
-            upstream_link=msg.link,
+            upstream_link=msg.link, source=source, batch=msg.batch, reserved=self._admit(msg, source),
+            downstream_peers=frozenset(hop.peer_id for hop in msg.route[1:]),
+            frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.max_length),
         )
         if not session.training:
             session.cache = self.stage.new_cache()
@@ -153,17 +210,29 @@ class StageServer:
         self.sessions_opened += 1
         try:
             await self._connect_onward(session, msg)
-            await _write(writer, m.to_header(m.Ack()))
-            await self._run_steps(session, reader, writer)
+            await write(writer, m.to_header(m.Ack()))
+            while await self._on_frame(session, await self._next_frame(session, reader, writer), writer):
+                pass
+        except EOFError:  # a hop before us sends Close; a stream that just ends lost its client
+            log.info("a client went away mid-session (session %s ended without a close)", session.session_id[:8])
         finally:
-            self.sessions.pop(msg.session_id, None)
-            for inputs in session.saved.values():
-                self._release_graph(inputs)
-            if session.relay is not None:
-                session.relay.cancel()
-            if session.downstream is not None:
-                await _send_quietly(session.downstream, m.Close())
-                session.downstream.close()
+            await self._end(session)
+
+    async def _end(self, session: Session) -> None:
+        self.sessions.pop(session.session_id, None)
+        for inputs in session.saved.values():
+            self.compute.release_graph(inputs)
+        session.saved.clear()
+        session.cache = None  # the session object may outlive this (a task's frame): its memory must not
+        if session.relay is not None:
+            session.relay.cancel()
+        if session.downstream is not None:
+            await send_quietly(session.downstream, m.Close())
+            session.downstream.close()
+        self._freed += session.reserved
+        if self._freed >= memory.TRIM_AFTER or (self._freed and not self.sessions):
+            self._freed = 0
+            await asyncio.to_thread(memory.trim)
 
     async def _connect_onward(self, session: Session, msg: m.Open) -> None:
         if len(msg.route) == 1:
@@ -171,62 +240,79 @@ class StageServer:
             try:
                 await asyncio.wait_for(ready.wait(), SUBSCRIBE_WAIT)
             except TimeoutError:
+                self._sink_ready.pop(msg.session_id, None)
                 raise RequestError("open: the client opened no output stream to the last hop") from None
             session.sink = self._sinks[msg.session_id]
             session.link = msg.client_link
             return
         nxt = msg.route[1]
+        announced = await self.directory(nxt.peer_id)
+        if announced is None:
+            raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) has no record in the swarm", nxt.peer_id)
+        addrs = dial_addrs(nxt.data_addrs, announced)
         if session.compression == AUTO:
-            session.link = await self.links.get(nxt.peer_id, nxt.data_addrs)
+            session.link = await self.links.get(nxt.peer_id, addrs)
         try:
-            reader, writer = await self.transport.open(nxt.peer_id, nxt.data_addrs, m.PROTOCOL)
-            onward = m.Open(
-                msg.session_id, msg.max_length, msg.route[1:], msg.compression, msg.purpose, session.link, msg.client_link
-            )
+            reader, writer = await self.transport.open(nxt.peer_id, addrs, m.PROTOCOL)
+            onward = dataclasses.replace(msg, route=msg.route[1:], link=session.link)
             await write_frame(writer, m.to_header(onward))
-            header, _ = await read_frame(reader)
+            async with asyncio.timeout(ONWARD_WAIT):
+                header, _ = await read_frame(reader, self.streams.first)
+            reply = m.from_header(header)
         except Exception as exc:  # libp2p dials fail with assorted types; any of them means that hop is gone
             raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
-        m.raise_for_error(m.from_header(header))
         session.downstream, session.next_peer = writer, nxt.peer_id
-        session.relay = asyncio.create_task(self._relay(session, reader, nxt.peer_id))
+        if not isinstance(reply, m.Ack):
+            m.raise_for_error(screen(reply, session.downstream_peers, nxt.peer_id))
+            raise PeerFailed(f"next hop {nxt.peer_id} answered an open with {reply.kind!r}", nxt.peer_id)
+        session.relay = asyncio.create_task(relay(session, reader, self.streams.relay, self._on_backward))
 
-    async def _run_steps(self, session: Session, reader, writer) -> None:
+    async def _next_frame(self, session: Session, reader, writer):
+        """The session's next good frame; a bad tensor costs its step only. Silence past the idle
+        timeout expires the session."""
         while True:
             try:
-                header, tensor = await read_frame(reader)
-            except EOFError:  # a hop before us sends Close; a stream that just ends lost its client
-                log.info("a client went away mid-session (session %s ended without a close)", session.session_id[:8])
-                return
+                async with asyncio.timeout(self.limits.idle_timeout):
+                    return await read_frame(reader, session.frame_limits)
+            except TimeoutError:
+                raise SessionExpired(
+                    f"session {session.session_id[:8]} expired on peer {self.peer_id} after "
+                    f"{self.limits.idle_timeout:g} s without a step; open it again", self.peer_id,
+                ) from None
             except BadTensor as exc:
-                await _send_quietly(writer, m.Error(message=str(exc), step=_step_of(exc.header)))
-                continue
-            message = m.from_header(header)
-            if isinstance(message, m.Close):
-                return
-            if isinstance(message, m.Adapter):
-                await self._on_adapter(session, message, tensor)
-                continue
-            if not isinstance(message, m.Step):
-                raise RequestError(f"unexpected {message.kind!r} message inside a session")
-            try:
-                inputs = session.check_step(message, tensor)
-                out, seconds = await self._run(self._forward, session, inputs)
-            except RequestError as exc:
-                await _write(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
-                continue
-            if session.training:
-                self._keep_graph(inputs)
-                session.saved[message.step] = inputs
-            else:
-                session.length += inputs.hidden.shape[1]
-            self.tokens_done += inputs.hidden.shape[0] * inputs.hidden.shape[1]
-            timings = [*message.timings, (self.peer_id, seconds)]
-            if session.downstream is not None:
-                onward = m.to_header(dataclasses.replace(message, timings=timings))
-                await self._send_onward(session, onward, session.pack(out))
-            else:
-                await _write(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
+                await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
+
+    async def _on_frame(self, session: Session, frame, writer) -> bool:
+        """One frame of a session; False at its Close. Its tensors go when this returns: nothing is
+        held while the session waits for its next frame."""
+        header, tensor = frame
+        message = m.from_header(header)
+        if isinstance(message, m.Close):
+            return False
+        if isinstance(message, m.Adapter):
+            await self._on_adapter(session, message, tensor)
+            return True
+        if not isinstance(message, m.Step):
+            raise RequestError(f"unexpected {message.kind!r} message inside a session")
+        try:
+            inputs = session.check_step(message, tensor)
+            out, seconds = await self.compute.forward(session, inputs)
+        except RequestError as exc:
+            await write(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
+            return True
+        if session.training:
+            self.compute.keep_graph(inputs)
+            session.saved[message.step] = inputs
+        else:
+            session.length += inputs.hidden.shape[1]
+        self.tokens_done += inputs.hidden.shape[0] * inputs.hidden.shape[1]
+        timings = [*message.timings, (self.peer_id, seconds)]
+        if session.downstream is not None:
+            onward = m.to_header(dataclasses.replace(message, timings=timings))
+            await self._send_onward(session, onward, session.pack(out))
+        else:
+            await write(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
+        return True
 
     async def _on_adapter(self, session: Session, message: m.Adapter, flat: torch.Tensor | None) -> None:
         """Keep this stage's part of the session's parameters; pass the rest on. A bad adapter ends
@@ -249,89 +335,41 @@ class StageServer:
         except (ConnectionError, RuntimeError) as exc:  # RuntimeError: uvloop's write on a closed transport
             raise PeerFailed(f"the next hop {session.next_peer} closed the session: {exc}", session.next_peer) from exc
 
-    async def _run(self, fn, session: Session, inputs: StepInputs, *rest) -> tuple[object, float]:
-        t0 = time.perf_counter()
-        if self._runs_inline(session, inputs):
-            out = fn(session, inputs, *rest)
-        else:
-            self._queued += 1
-            try:
-                out = await asyncio.get_running_loop().run_in_executor(self._compute, fn, session, inputs, *rest)
-            finally:
-                self._queued -= 1
-        session.compute_seconds = time.perf_counter() - t0
-        return out, session.compute_seconds
-
-    def _runs_inline(self, session: Session, inputs: StepInputs) -> bool:
-        """A decoding step of a token or two runs on the event loop's own thread: handing it to the
-        compute thread and back wakes two threads, which cost 0.3-0.7 ms of a 12 ms step here
-        (docs/benchmarks.md). Only while the compute thread is idle, because steps must not
-        interleave: an adapter hooks the shared module for the length of its step."""
-        rows = inputs.hidden.shape[0] * inputs.hidden.shape[1]
-        return not session.training and self._queued == 0 and rows <= SMALL_STEP_ROWS
-
-    def _threads_for(self, hidden: torch.Tensor) -> None:
-        """Runs just before each step; steps never overlap, so torch's process-wide setting is theirs."""
-        rows = hidden.shape[0] * hidden.shape[1]
-        threads = self._decode_threads if rows <= SMALL_STEP_ROWS else self._all_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-
-    def _keep_graph(self, inputs: StepInputs) -> None:
-        if inputs.graph is not None and self.graph_bytes + inputs.graph.nbytes > self.training_memory:
-            inputs.graph = None  # its memory goes now; the backward pass will recompute
-        self.graph_bytes += 0 if inputs.graph is None else inputs.graph.nbytes
-
-    def _release_graph(self, inputs: StepInputs) -> None:
-        if inputs.graph is not None:
-            self.graph_bytes -= inputs.graph.nbytes
-            inputs.graph = None
-
-    def _forward(self, session: Session, inputs: StepInputs) -> torch.Tensor:
-        self._threads_for(inputs.hidden)
-        stage = session.stage
-        if not session.training:
-            return stage.forward(inputs.hidden, session.length, session.cache, inputs.mask, inputs.positions, inputs.adapter)
-        if self.graph_bytes >= self.training_memory:  # no room for a graph: the backward pass recomputes
-            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, inputs.adapter)
-        inputs.graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.adapter)
-        return inputs.graph.output.detach().cpu()
-
-    def _backward(self, session: Session, inputs: StepInputs, grad: torch.Tensor):
-        self._threads_for(inputs.hidden)
-        stage = session.stage
-        graph = inputs.graph or stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.adapter)
-        return stage.backward(graph, grad)
-
     async def _on_backward(self, session_id: str, message: m.Backward, grad: torch.Tensor | None, reply) -> None:
         """Compute a step's input gradient and send it upstream; a bad one answers with an Error."""
         session = self.sessions.get(session_id)
         if session is None:
-            await _send_quietly(reply, m.Error(message=f"backward: unknown session {session_id}", step=message.step))
+            # it ended here (its upstream went away): the client opens it again and replays
+            gone = m.Error(message=f"backward: session {session_id} is no longer open here", step=message.step, code=m.EXPIRED)
+            await send_quietly(reply, gone)
             return
         try:
             inputs, grad = session.take_saved(message.step, grad)
-            try:
-                (grad_in, param_grads), seconds = await self._run(self._backward, session, inputs, grad)
-            finally:
-                self._release_graph(inputs)
+            (grad_in, param_grads), seconds = await self.compute.backward(session, inputs, grad)
         except RequestError as exc:
-            await _send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
+            await send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return
         if param_grads:  # before the input's gradient, so the client has them all when that comes
             entries = [(name, list(g.shape)) for name, g in zip(inputs.adapter.names, param_grads)]
             header = m.to_header(m.ParamGrads(message.step, entries))
-            await _write(session.upstream, header, pack(flatten(param_grads)))
+            await write(session.upstream, header, pack(flatten(param_grads)))
         timings = [*message.timings, (self.peer_id, seconds)]
-        await _write(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
+        await write(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
 
     async def _serve_gradients(self, session_id: str, reader, writer) -> None:
-        """On the client's stream to the last hop: take gradients until the client closes it."""
+        """On the client's stream to the last hop: take gradients until the client closes it, or
+        until no session uses it (none opened within SUBSCRIBE_WAIT, or it ended)."""
         while True:
+            wait = self.limits.idle_timeout if session_id in self.sessions else SUBSCRIBE_WAIT
             try:
-                header, tensor = await read_frame(reader)
+                async with asyncio.timeout(wait):
+                    header, tensor = await read_frame(reader, self.streams.results)
+            except TimeoutError:
+                if session_id in self.sessions:
+                    continue
+                return
             except BadTensor as exc:
-                await _send_quietly(writer, m.Error(message=str(exc), step=_step_of(exc.header)))
+                await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
                 continue
             except (EOFError, ConnectionError):
                 return
@@ -339,46 +377,5 @@ class StageServer:
             if not isinstance(message, m.Backward):
                 raise RequestError(f"unexpected {message.kind!r} message on a result stream")
             await self._on_backward(session_id, message, tensor, writer)
+            del header, tensor  # not held while the stream waits for its next gradient
 
-    async def _relay(self, session: Session, downstream_reader, next_peer: str) -> None:
-        """From the next hop: gradients to compute on, and errors and notices to pass back to the client."""
-        try:
-            while True:
-                try:
-                    header, tensor = await read_frame(downstream_reader)
-                    if header.get("kind") == m.Backward.kind:
-                        await self._on_backward(session.session_id, m.from_header(header), tensor, session.upstream)
-                    else:  # the hops after us report to the client through us
-                        await _write(session.upstream, header, None if tensor is None else pack(tensor))
-                except FrameError:
-                    raise  # the stream is out of step: it ends below
-                except RequestError as exc:  # one bad gradient or message costs its step only
-                    step = _step_of(exc.header) if isinstance(exc, BadTensor) else -1
-                    await _send_quietly(session.upstream, m.Error(message=str(exc), step=step))
-        except (EOFError, FrameError, ConnectionError):
-            await _send_quietly(
-                session.upstream, m.Error(message=f"the next hop {next_peer} closed the session", failed_peer=next_peer)
-            )
-
-
-def _step_of(header: dict) -> int:
-    step = header.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else -1
-
-
-async def _write(writer: asyncio.StreamWriter, header: dict, payload=None) -> None:
-    """A frame towards the client (or the hop before us), which may have gone: its closed connection
-    is a ConnectionError here, whatever raised it (uvloop raises RuntimeError, TLS an OSError)."""
-    try:
-        await write_frame(writer, header, payload)
-    except ConnectionError:
-        raise
-    except (OSError, RuntimeError) as exc:
-        raise ConnectionResetError(f"the connection is closed: {exc}") from exc
-
-
-async def _send_quietly(writer: asyncio.StreamWriter, message) -> None:
-    try:
-        await _write(writer, m.to_header(message))
-    except ConnectionError:
-        pass

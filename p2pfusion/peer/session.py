@@ -21,6 +21,7 @@ from p2pfusion.models.stage import Graph, Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import Codec, ErrorFeedback, Packed, pack
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
+from p2pfusion.net.framing import UNLIMITED, FrameLimits
 from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
 
 
@@ -53,6 +54,12 @@ class Session:
     adapter: StageAdapter | None = None
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
+    source: str = "unknown"  # who sent the Open: "ip:<address>" or "peer:<id>"
+    batch: int = 1  # the most sequences an inference step may carry
+    reserved: int = 0  # bytes of this peer's session memory held for it (see peer.admission)
+    downstream_peers: frozenset[str] = frozenset()  # the route after this hop: whom the relay may name
+    frame_limits: FrameLimits = UNLIMITED  # of the frames from the hop before
+    expired: bool = False  # a hop after this one closed the session as idle
 
     @property
     def training(self) -> bool:
@@ -69,6 +76,8 @@ class Session:
                 f"hidden states must have shape [batch, tokens, {stage.hidden_size}], got {list(tensor.shape)}"
             )
         batch, tokens = tensor.shape[:2]
+        if not self.training and batch > self.batch:
+            raise RequestError(f"a step carries {batch} sequences; this session was opened for at most {self.batch}")
         if batch * tokens > m.MAX_STEP_TOKENS:
             raise RequestError(f"a step holds at most {m.MAX_STEP_TOKENS} tokens (batch x length), got {batch * tokens}")
         offset = 0 if self.training else self.length

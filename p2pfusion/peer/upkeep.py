@@ -4,6 +4,8 @@
 - Watch (every few seconds): a backup promotes itself when its stage loses a peer; a serving peer
   moves to close a gap in coverage that nobody else closes.
 - Report (every minute): one INFO line for the peer's operator on what it served lately.
+- Heal (every 15 s): ping the known peers that the DHT's routing table lost (`SwarmNode.heal`),
+  so that a node whose table emptied (after a flood, say) does not stay cut off from the swarm.
 - Rebalance (every couple of minutes, with random jitter so peers do not all move at once): move
   when the cost model says the swarm gains more than the reload costs.
 Each move is re-checked against fresh records after a random delay: another peer may have acted.
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 LOAD_EMA = 0.5
 GAP_JITTER = 3.0  # seconds; spreads the peers that would close the same gap
+HEAL_PERIOD = 15.0
 
 
 class Upkeep:
@@ -50,6 +53,7 @@ class Upkeep:
             (self.watch, options.watch_period, 0.0),
             (self.rebalance, options.rebalance_period, 0.2),  # so peers do not all move at once
             (self.report, options.report_period, 0.0),
+            (self.peer.swarm.heal, HEAL_PERIOD, 0.2),
         )]
         return self
 

@@ -1,0 +1,105 @@
+"""Whether a peer answers at all, asked by the client itself: a `Ping` on a fresh stream.
+
+Records are written by strangers: one can name addresses that accept connections and never
+answer (a tarpit), and a session opened there would wait out its whole timeout. So before a
+route is opened, its peers are pinged, many at once with a short timeout each, and those that do
+not answer are banned; answers are kept a minute. The same ping checks what one peer says about
+another (that it failed, or is leaving) before the client believes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from p2pfusion.dht.records import PeerRecord
+from p2pfusion.errors import RequestError
+from p2pfusion.net import messages as m
+from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
+from p2pfusion.net.transport import Transport
+
+log = logging.getLogger(__name__)
+
+PING_TIMEOUT = 3.0  # a serving peer answers in milliseconds; a tarpit never does
+SCREEN_CONCURRENCY = 64
+ANSWER_TTL = 60.0  # how long a peer's answer spares it another ping before a route uses it
+PING_LIMITS = FrameLimits(header=4096, body=0, tensor_kinds=frozenset())
+
+
+class Answer(str, Enum):
+    SERVING = "serving"
+    LEAVING = "leaving"
+    SILENT = "silent"  # no answer in time, a failed dial, or no answer a peer would give
+
+
+async def ping(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = PING_TIMEOUT) -> tuple[Answer, float]:
+    """Ask a peer whether it serves; returns its answer and the round trip of the ping itself
+    (the stream's setup excluded), inf when it did not answer."""
+    try:
+        return await asyncio.wait_for(_ping(transport, peer_id, data_addrs, timeout), timeout)
+    except TimeoutError:
+        return Answer.SILENT, float("inf")
+
+
+async def _ping(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float) -> tuple[Answer, float]:
+    try:  # half the time for a direct dial, and half for libp2p should that fail
+        reader, writer = await transport.open(peer_id, data_addrs, m.PROTOCOL, timeout / 2)
+    except Exception as exc:  # libp2p dials fail with assorted types; any of them means no answer
+        log.debug("ping: cannot reach %s: %r", peer_id, exc)
+        return Answer.SILENT, float("inf")
+    try:
+        t0 = time.perf_counter()
+        await write_frame(writer, m.to_header(m.Ping()))
+        header, _ = await read_frame(reader, PING_LIMITS)
+        seconds = time.perf_counter() - t0
+        reply = m.from_header(header)
+    except (OSError, EOFError, RequestError, RuntimeError) as exc:  # RequestError: a bad frame or message
+        log.debug("ping: no answer from %s: %r", peer_id, exc)
+        return Answer.SILENT, float("inf")
+    finally:
+        writer.close()
+    if isinstance(reply, m.Ack):
+        return Answer.SERVING, seconds
+    if isinstance(reply, m.Error) and reply.failed_peer == peer_id:
+        return Answer.LEAVING, seconds
+    return Answer.SILENT, float("inf")
+
+
+@dataclass
+class ReachBook:
+    """The peers that answered this client lately, and how long their pings took."""
+
+    answered: dict[str, float] = field(default_factory=dict)  # peer id -> when it last answered
+    rtts: dict[str, float] = field(default_factory=dict)  # peer id -> its ping's round trip
+
+    def fresh(self, peer_id: str, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return now - self.answered.get(peer_id, -ANSWER_TTL) < ANSWER_TTL
+
+    async def screen(self, transport: Transport, records: list[PeerRecord]) -> set[str]:
+        """Ping these peers, SCREEN_CONCURRENCY at a time; returns those that did not say they serve."""
+        gate = asyncio.Semaphore(SCREEN_CONCURRENCY)
+
+        async def one(record: PeerRecord) -> tuple[str, Answer, float]:
+            async with gate:
+                return record.peer_id, *await ping(transport, record.peer_id, record.data_addrs)
+
+        silent = set()
+        for peer_id, answer, seconds in await asyncio.gather(*(one(r) for r in records)):
+            if answer == Answer.SERVING:
+                self.answered[peer_id] = time.monotonic()
+                self.rtts[peer_id] = seconds
+            else:
+                self.answered.pop(peer_id, None)
+                silent.add(peer_id)
+        self._forget_stale()
+        return silent
+
+    def _forget_stale(self) -> None:
+        now = time.monotonic()
+        for peer_id in [p for p, t in self.answered.items() if now - t >= ANSWER_TTL]:
+            del self.answered[peer_id]
+            self.rtts.pop(peer_id, None)

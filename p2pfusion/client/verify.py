@@ -1,0 +1,154 @@
+"""Checking peers' results: pure policies (no network), used by p2pfusion.client.verifier.
+
+A check compares the final hidden states the session's route returned with those of another route
+for the same inputs, per position, as a relative L2 error. Honest routes differ only by rounding,
+whose size depends on the dtype peers compute in and the codecs hidden states crossed the wire in;
+`tolerance` sets the bar from those, with a wide margin over what honest peers were measured at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Collection
+from enum import Enum
+
+import torch
+
+from p2pfusion.dht.records import FaultReport, PeerRecord
+from p2pfusion.client.routing import expected_throughput, usable
+from p2pfusion.errors import RequestError
+from p2pfusion.net.codecs import Codec
+from p2pfusion.net.compression import AUTO
+
+DEFAULT_RATE = 0.05  # chance that a step is checked; a generation's end is always checked
+MIN_REPORTERS = 2  # distinct clients whose fault reports make others distrust a peer
+
+# Relative L2 error per position between two honest routes' final hidden states. Measured on the
+# default model (30 layers, 3 hops, a 60-token prefill): float32 prefill against token-by-token
+# decoding 2.5e-6; float16 on the wire 1.5e-3, bfloat16 9.3e-3; float16 compute 6.6e-3, bfloat16
+# compute on one hop 2.5e-2. Each bar is those figures with a margin of 6x to 80x.
+COMPUTE_TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 0.2}
+WIRE_TOLERANCE = {Codec.NONE: 0.0, Codec.FLOAT16: 2e-2, Codec.BFLOAT16: 5e-2, Codec.INT8: 0.1, Codec.TOPK: math.inf}
+# One hop's output is compared with a tighter bar: what a hop adds, later layers amplify (noise
+# of 1e-4 on a middle hop's output reached the last hop's as 4.6e-4).
+HOP_SHARE = 0.25
+
+
+def check_rate(rate: float) -> float:
+    if not 0 <= rate <= 1:
+        raise RequestError(f"verify is a probability per step, from 0 to 1; got {rate}")
+    return rate
+
+
+def tolerance(compression: str, dtype: torch.dtype) -> float:
+    """The largest per-position relative error honest routes show, for a session's codec choice
+    (`auto` may have sent float16 on a slow link) and the dtype of its hidden states."""
+    wire = WIRE_TOLERANCE[Codec.FLOAT16] if compression == AUTO else WIRE_TOLERANCE[Codec(compression)]
+    return max(COMPUTE_TOLERANCE.get(dtype, COMPUTE_TOLERANCE[torch.bfloat16]), wire)
+
+
+def hop_tolerance(compression: str, dtype: torch.dtype) -> float:
+    return HOP_SHARE * tolerance(compression, dtype)
+
+
+def relative_errors(claimed: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[batch, tokens] relative L2 errors of `claimed` against `reference` ([batch, tokens, hidden]);
+    a non-finite claim is an infinite error, and padding (mask 0) counts as agreement."""
+    claimed, reference = claimed.float(), reference.float()
+    errors = (claimed - reference).norm(dim=-1) / reference.norm(dim=-1).clamp_min(1e-30)
+    finite = torch.isfinite(claimed).all(dim=-1) & ~errors.isnan()
+    errors = torch.where(finite, errors, torch.full_like(errors, math.inf))
+    if mask is not None:
+        errors = errors * mask.to(errors.dtype)
+    return errors
+
+
+def first_mismatch(errors: torch.Tensor, bar: float) -> int | None:
+    """The first position (over all rows) whose error passes the bar; None when all meet it."""
+    bad = (errors > bar).any(dim=0).nonzero()
+    return None if bad.numel() == 0 else int(bad[0, 0])
+
+
+class Culprit(str, Enum):
+    NONE = "none"  # the hop and its witness agree
+    PRIMARY = "primary"  # the third opinion sides with the witness
+    WITNESS = "witness"  # the third opinion sides with the hop
+    UNDECIDED = "undecided"  # no third opinion, or it agrees with neither
+
+
+def judge(primary_witness: bool, primary_third: bool | None, witness_third: bool | None) -> Culprit:
+    """Who computed wrong, from which pairs of three opinions agree (None: no third opinion)."""
+    if primary_witness:
+        return Culprit.NONE
+    if primary_third is None or witness_third is None or primary_third == witness_third:
+        return Culprit.UNDECIDED
+    return Culprit.WITNESS if primary_third else Culprit.PRIMARY
+
+
+def distrusted_by_reports(reports: list[tuple[str, FaultReport]], min_reporters: int = MIN_REPORTERS) -> set[str]:
+    """Peers accused by at least `min_reporters` distinct reporters: one client alone (or one liar
+    framing an honest peer) bans nobody. A peer's report against itself does not count."""
+    reporters: dict[str, set[str]] = {}
+    for reporter, report in reports:
+        if reporter != report.peer_id:
+            reporters.setdefault(report.peer_id, set()).add(reporter)
+    return {peer for peer, who in reporters.items() if len(who) >= min_reporters}
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """sha256 of a tensor's float32 values, so a report names exactly what was compared."""
+    return hashlib.sha256(tensor.detach().float().contiguous().numpy().tobytes()).hexdigest()
+
+
+def _best_chain(
+    candidates: list[PeerRecord], start: int, end: int, observed: dict[str, float], reused: Collection[str]
+) -> list[PeerRecord] | None:
+    """A chain from `start` to exactly `end`: fewest reused peers, then fewest hops, then least time."""
+    best: dict[int, tuple[int, int, float, list[PeerRecord]]] = {end: (0, 0, 0.0, [])}
+    for layer in range(end - 1, start - 1, -1):
+        for r in candidates:
+            if r.start != layer or r.end not in best:
+                continue
+            again, hops, seconds, rest = best[r.end]
+            option = (
+                again + (r.peer_id in reused),
+                hops + 1,
+                seconds + 1.0 / max(expected_throughput(r, observed), 1e-9),
+                [r] + rest,
+            )
+            if layer not in best or option[:3] < best[layer][:3]:
+                best[layer] = option
+    return best[start][3] if start in best else None
+
+
+def alternative_route(
+    records: list[PeerRecord],
+    num_layers: int,
+    primary: Collection[str],
+    avoid: Collection[str] = (),
+    observed: dict[str, float] | None = None,
+    length: int = 0,
+) -> list[PeerRecord] | None:
+    """A route for checking one that used the peers `primary`: it reuses as few of them as the swarm
+    allows (warm backups welcome), so only the layers of the reused ones go unchecked. None: no route."""
+    candidates = [r for r in usable(records, avoid, backups=True, length=length) if r.end <= num_layers]
+    return _best_chain(candidates, 0, num_layers, observed or {}, set(primary))
+
+
+def witness_chain(
+    records: list[PeerRecord],
+    start: int,
+    end: int,
+    avoid: Collection[str],
+    observed: dict[str, float] | None = None,
+    length: int = 0,
+) -> list[PeerRecord] | None:
+    """Other peers that together compute exactly layers [start, end), none of them in `avoid`."""
+    candidates = [r for r in usable(records, avoid, backups=True, length=length) if r.end <= end]
+    return _best_chain(candidates, start, end, observed or {}, ())
+
+
+def unchecked_layers(route: list[PeerRecord], primary: Collection[str]) -> list[tuple[int, int]]:
+    """The ranges a checking route cannot vouch for: those it computed on the checked route's own peers."""
+    return [(r.start, r.end) for r in route if r.peer_id in primary]

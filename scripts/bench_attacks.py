@@ -1,0 +1,310 @@
+#!/usr/bin/env python
+"""A legitimate user's generation under each attack of a hostile client or DHT writer, against the
+same generation with no attack, in one run.
+
+A local swarm of the default model on two peer processes (0:15 and 15:30). For each attack, an
+attacker process starts it and keeps it up; after a few seconds the user runs a greedy generation
+from a fresh client (join, route, prefill, decode). Printed per attack: the user's wall time over
+the no-attack run's, whether the tokens are identical to transformers', and the peers' largest
+RSS during the attack over their RSS before it. Attacks:
+- slowloris: thousands of TLS connections that send a valid hello and then nothing;
+- amplification: steps whose top-k frame declares [2**29] values in a 2 MiB body, on 2 streams;
+- prefill-flood: three clients looping [4, 2048, 576] prefills through the whole route;
+- session-flood: 60 sessions of 2,000 prefilled tokens each, left idle;
+- dht-wipe: an unsigned store of "gone" under the model's key, with no subkey, every second;
+- dht-flood: 2,000 records of 3 KB under the model's key, unsigned, in 4 s;
+- tarpit: 20 signed records of fake online peers serving every layer, each with 8 data addresses
+  pointing at a TCP tarpit (accepts, never answers).
+
+Usage: python scripts/bench_attacks.py [--tokens 16] [--attacks slowloris,dht-wipe,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import resource
+import ssl
+import subprocess
+import sys
+import threading
+import time
+
+import msgpack
+import torch
+import uvloop
+from transformers import AutoModelForCausalLM
+
+from p2pfusion.cli.local_swarm import LocalSwarm
+from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.dht.records import PeerRecord, PeerState, model_key
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import P2PFusionError
+from p2pfusion.models.source import resolve_model
+from p2pfusion.net import messages as m
+from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
+from p2pfusion.net.transport import _split_addr
+
+PROMPT = "What is the capital of France?"
+ATTACKS = ["slowloris", "amplification", "prefill-flood", "session-flood", "dht-wipe", "dht-flood", "tarpit"]
+WARMUP = 5.0
+
+
+# --- the attacker: one process per attack, until it is killed ---------------------------------
+
+
+async def _records(maddrs, key):
+    client = await join_swarm(maddrs, client_mode=True)
+    return client, [r for r in await client.lookup(key) if r.state == PeerState.ONLINE]
+
+
+async def slowloris(maddrs, key, hidden):
+    client, records = await _records(maddrs, key)
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+    held = []
+    hello = b"".join(bytes(p) for p in encode({"protocol": m.PROTOCOL}))
+    while True:
+        for record in records:
+            host, port = _split_addr(record.data_addrs[0])
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=context), 5)
+                writer.write(hello)
+                held.append(writer)
+            except (OSError, TimeoutError):
+                await asyncio.sleep(0.01)
+        if len(held) > 20_000:
+            await asyncio.sleep(1)
+
+
+async def _open_one_hop(client, record, max_length, batch=1):
+    reader, writer = await client.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL)
+    sid = os.urandom(8).hex()
+    sink_reader, sink = await client.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL)
+    await write_frame(sink, m.to_header(m.Subscribe(sid)))
+    await read_frame(sink_reader)
+    hop = m.Hop(record.peer_id, record.data_addrs, record.start, record.end)
+    await write_frame(writer, m.to_header(m.Open(sid, max_length, [hop], "none", batch=batch)))
+    await read_frame(reader)
+    return reader, writer, sink_reader, sink
+
+
+async def amplification(maddrs, key, hidden):
+    client, records = await _records(maddrs, key)
+    body = bytes(2 << 20)
+    spec = {"codec": "topk", "dtype": "float32", "shape": [2**29], "k": 0, "parts": [len(body) // 2, len(body) // 2]}
+
+    async def stream(record):
+        while True:
+            try:
+                reader, writer, *_ = await _open_one_hop(client, record, 64)
+                while True:
+                    header = {"kind": "step", "step": 1, "timings": [], "tensor": spec}
+                    packed = msgpack.packb(header, use_bin_type=True)
+                    writer.write(PREFIX.pack(len(packed), len(body)) + packed + body)
+                    await writer.drain()
+                    await asyncio.wait_for(read_frame(reader), 30)
+            except (OSError, EOFError, TimeoutError, P2PFusionError):
+                await asyncio.sleep(0.1)
+
+    await asyncio.gather(*(stream(records[i % len(records)]) for i in range(2)))
+
+
+async def prefill_flood(maddrs, key, hidden):
+    source = resolve_model(None)
+    client = await join_swarm(maddrs, client_mode=True)
+    model = RemoteCausalLM(source, client)
+
+    async def loop():
+        while True:
+            try:
+                session = await model._access().session(2048).open()
+                try:
+                    await session.step(torch.randn(4, 2048, hidden))
+                finally:
+                    await session.close()
+            except P2PFusionError:
+                await asyncio.sleep(0.5)
+
+    await asyncio.gather(*(loop() for _ in range(3)))
+
+
+async def session_flood(maddrs, key, hidden):
+    source = resolve_model(None)
+    client = await join_swarm(maddrs, client_mode=True)
+    model = RemoteCausalLM(source, client)
+    held = []
+    for _ in range(60):
+        try:
+            session = await model._access().session(2048).open()
+            await session.step(torch.randn(1, 2000, hidden))
+            held.append(session)
+        except P2PFusionError as exc:
+            print(f"session flood: {exc}", file=sys.stderr)
+    await asyncio.Event().wait()
+
+
+async def dht_wipe(maddrs, key, hidden):
+    client = await join_swarm(maddrs, client_mode=True)
+    while True:
+        await client.dht.store(model_key(key), "gone", expiration_time=time.time() + 120)
+        await asyncio.sleep(1)
+
+
+async def dht_flood(maddrs, key, hidden):
+    client = await join_swarm(maddrs, client_mode=True)
+    junk = {"junk": "x" * 3000}
+    await asyncio.gather(*(
+        client.dht.store(model_key(key), subkey=f"junk{i}", value=junk, expiration_time=time.time() + 900)
+        for i in range(2000)
+    ))
+    await asyncio.Event().wait()
+
+
+async def tarpit(maddrs, key, hidden):
+    held = []
+
+    async def accept(reader, writer):
+        held.append(writer)  # never answers, never closes
+
+    server = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    fakes = []
+    for _ in range(20):  # a peer of its own per record: records are bound to their signer
+        node = await join_swarm(maddrs)
+        record = PeerRecord(
+            model=key, peer_id=node.peer_id, maddrs=[], start=0, end=30, state=PeerState.ONLINE,
+            compute_rate=1e9, network_rate=None, device="tarpit", data_addrs=[f"127.0.0.1:{port}"] * 8,
+            since=time.time(),
+        )
+        fakes.append((node, record))
+    while True:
+        for node, record in fakes:
+            await node.announce(record)
+        await asyncio.sleep(10)
+
+
+WORKERS = {
+    "slowloris": slowloris, "amplification": amplification, "prefill-flood": prefill_flood,
+    "session-flood": session_flood, "dht-wipe": dht_wipe, "dht-flood": dht_flood, "tarpit": tarpit,
+}
+
+
+def worker(name: str, maddrs: list[str], key: str, hidden: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    uvloop.run(WORKERS[name](maddrs, key, hidden))
+
+
+# --- the user and the measurements ---------------------------------------------------------
+
+
+def rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class RssWatch:
+    """The largest RSS of each peer process while it runs, sampled every 0.2 s."""
+
+    def __init__(self, pids: list[int]):
+        self.pids, self.peak = pids, {pid: rss_mib(pid) for pid in pids}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.2):
+            for pid in self.pids:
+                try:
+                    self.peak[pid] = max(self.peak[pid], rss_mib(pid))
+                except OSError:
+                    pass
+
+    def stop(self) -> dict[int, float]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+async def _user(source, maddrs, tokens):
+    t0 = time.perf_counter()
+    client = await join_swarm(maddrs, client_mode=True)
+    try:
+        model = RemoteCausalLM(source, client)
+        ids = model.encode(PROMPT, chat=True)
+        result = await model.generate(ids, tokens, stop_at_eos=False)
+    finally:
+        await client.shutdown()
+    return time.perf_counter() - t0, result.token_ids
+
+
+def run_user(source, maddrs, tokens, timeout=300.0):
+    try:
+        return uvloop.run(asyncio.wait_for(_user(source, maddrs, tokens), timeout))
+    except (P2PFusionError, TimeoutError, OSError) as exc:
+        print(f"  the user's generation failed: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return None, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--maddrs", nargs="*", help=argparse.SUPPRESS)
+    parser.add_argument("--key", help=argparse.SUPPRESS)
+    parser.add_argument("--hidden", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.maddrs, args.key, args.hidden)
+        return
+    attacks = [a for a in args.attacks.split(",") if a]
+    unknown = set(attacks) - set(ATTACKS)
+    if unknown:
+        parser.error(f"unknown attacks: {sorted(unknown)}")
+    source = resolve_model(None)
+    reference = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
+    ids = RemoteCausalLM(source).encode(PROMPT, chat=True)
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False)[0, len(ids):].tolist()
+    hidden = reference.config.hidden_size
+    del reference
+    rows = []
+    for attack in ["none", *attacks]:
+        with LocalSwarm(model=None) as swarm:  # a fresh swarm per attack: one attack's damage stays its own
+            swarm.start([(0, 15), (15, 30)])
+            pids = [p.pid for p in swarm.processes]
+            base = {pid: rss_mib(pid) for pid in pids}
+            run_user(source, swarm.maddrs, 2)  # warms the peers' first steps, as the no-attack run is warmed
+            attacker = None
+            if attack != "none":
+                cmd = [sys.executable, __file__, "--worker", attack, "--key", source.key, "--hidden", str(hidden),
+                       "--maddrs", *swarm.maddrs]
+                attacker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(swarm.workdir / "attacker.log", "w"))
+                time.sleep(WARMUP)
+            watch = RssWatch(pids)
+            seconds, tokens = run_user(source, swarm.maddrs, args.tokens)
+            peak = watch.stop()
+            if attacker is not None:
+                attacker.kill()
+                attacker.wait()
+            growth = max(peak[pid] - base[pid] for pid in pids)
+            rows.append((attack, seconds, tokens == expected, growth))
+            shown = "failed" if seconds is None else f"{seconds:.2f} s"
+            print(f"  {attack}: user {shown}, tokens {'identical' if tokens == expected else 'DIFFER'}, "
+                  f"peer RSS +{growth:.0f} MiB", file=sys.stderr)
+    baseline = rows[0][1]
+    print(f"{'attack':<15} {'user s':>8} {'vs none':>8} {'tokens':>10} {'peer RSS +MiB':>14}")
+    for attack, seconds, same, growth in rows:
+        ratio = "-" if seconds is None or baseline is None else f"{seconds / baseline:.2f}x"
+        shown = "failed" if seconds is None else f"{seconds:.2f}"
+        print(f"{attack:<15} {shown:>8} {ratio:>8} {'identical' if same else 'DIFFER':>10} {growth:>14.0f}")
+
+
+if __name__ == "__main__":
+    main()

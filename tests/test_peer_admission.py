@@ -1,0 +1,84 @@
+"""The peer's pure policies against hostile clients: admission to its session memory, the order
+its compute thread runs jobs in, what a hop relays upstream, and where it may dial a next hop."""
+
+import asyncio
+
+from p2pfusion.dht.records import PeerState
+from p2pfusion.net import messages as m
+from p2pfusion.peer.admission import Budget, Reservation, kv_bytes_per_token, refusal
+from p2pfusion.peer.directory import HopDirectory, dial_addrs
+from p2pfusion.peer.relay import screen
+from p2pfusion.peer.scheduler import URGENT_ROWS, Pending, chunks, pick
+from tests.policy_records import rec
+
+MIB = 1 << 20
+
+
+def test_sessions_reserve_their_whole_cache_within_the_budget_and_each_sources_share():
+    # the default model's 30 layers, 3 KV heads of 64, float32: 46 KiB a token
+    assert kv_bytes_per_token(30, 3, 64, 4) == 2 * 30 * 3 * 64 * 4
+    budget = Budget(total=100 * MIB, source_share=0.5, source_sessions=3)
+    held = [Reservation("ip:a", 30 * MIB), Reservation("ip:b", 40 * MIB)]
+    assert refusal(budget, held, Reservation("ip:c", 30 * MIB)) is None
+    assert "no room" in refusal(budget, held, Reservation("ip:c", 31 * MIB))
+    assert "one client may hold at most 50 MiB" in refusal(budget, held, Reservation("ip:b", 11 * MIB))
+    assert refusal(budget, held, Reservation("ip:b", 10 * MIB)) is None
+    assert "exceeds what one client may reserve" in refusal(budget, [], Reservation("ip:a", 51 * MIB))
+    many = [Reservation("ip:a", MIB)] * 3
+    assert "already has 3 sessions" in refusal(budget, many, Reservation("ip:a", MIB))
+    assert refusal(budget, many, Reservation("ip:b", MIB)) is None  # others are not held back
+
+
+def test_decoding_steps_go_first_and_sources_take_turns_with_their_chunks():
+    big = URGENT_ROWS + 1
+    jobs = [Pending("ip:flood", big, 0), Pending("ip:flood", big, 1), Pending("ip:chat", big, 2), Pending("ip:chat", 1, 3)]
+    assert pick(jobs, None) == 3  # the decoding step, though it came last
+    chunked = jobs[:3]
+    assert pick(chunked, None) == 0
+    assert pick(chunked, "ip:chat") == 0  # the ring wraps around
+    assert pick(chunked, "ip:flood") == 2  # after a flood chunk, the chat's turn
+    assert chunks(600, 1, 256) == [(0, 256), (256, 512), (512, 600)]
+    assert chunks(10, 4, 256) == [(0, 10)]
+    assert chunks(3, 512, 256) == [(0, 1), (1, 2), (2, 3)]  # at least a token each
+
+
+def test_a_relay_passes_only_claims_about_the_hops_after_it():
+    after = {"B", "C"}
+    for honest in (m.Error("bad step", step=3), m.Error("C died", failed_peer="C"), m.Leaving("B"),
+                   m.Error("busy", failed_peer="B", code=m.BUSY), m.ParamGrads(1, [])):
+        assert screen(honest, after, "B") is honest
+    for forged in (m.Result(step=1), m.Step(step=1), m.Ack(), m.Error("x", failed_peer="A"), m.Leaving("Z")):
+        replaced = screen(forged, after, "B")
+        assert isinstance(replaced, m.Error) and replaced.failed_peer == "B" and replaced.code is None
+
+
+def test_a_next_hop_is_dialled_only_where_its_record_says():
+    announced = ["10.0.0.2:7000", "127.0.0.1:7000"]
+    assert dial_addrs(["127.0.0.1:7000", "10.9.9.9:22"], announced) == ["127.0.0.1:7000"]
+    assert dial_addrs([f"10.9.9.9:{p}" for p in range(8)], announced) == announced  # none listed: the record's own
+    assert dial_addrs([], [f"h:{p}" for p in range(6)]) == ["h:0", "h:1", "h:2"]  # at most MAX_DIALED
+
+
+def test_the_directory_looks_a_missing_peer_up_again_at_most_once_a_second():
+    now = [0.0]
+    lookups = []
+
+    async def lookup():
+        lookups.append(now[0])
+        return [rec(0, 2, name="B", data_addrs=["b:1"]), rec(2, 4, name="C", state=PeerState.OFFLINE)]
+
+    async def scenario():
+        directory = HopDirectory(lookup, clock=lambda: now[0])
+        assert await directory("B") == ["b:1"]
+        assert await directory("C") is None  # offline: not dialled
+        results = await asyncio.gather(*(directory(f"X{i}") for i in range(50)))
+        now[0] = 1.5
+        assert await directory("Y") is None
+        assert await directory("B") == ["b:1"]
+        now[0] = 7.0
+        assert await directory("B") == ["b:1"]
+        return results
+
+    assert asyncio.run(scenario()) == [None] * 50
+    assert lookups == [0.0, 1.5, 7.0]
+

@@ -1,0 +1,85 @@
+"""Verification on real peers: a peer that lies about its layers' output is caught, named, reported
+and routed around, and the user still gets transformers' own tokens."""
+
+import logging
+
+import torch
+import uvloop
+
+from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.dht.swarm import join_swarm
+from tests.conftest import reference_model
+from tests.swarm import running_peers, start_peer, stop_peer
+
+IDS = [3, 17, 42, 99, 5, 250, 7, 1]
+NEW = 10
+
+
+def lie(peer, corrupt) -> None:
+    """The real peer with its stage's forward patched, as a modified `run-peer` would be."""
+    stage = peer.server.stage
+    honest = getattr(stage, "honest_forward", stage.forward)
+    stage.honest_forward = honest
+    stage.forward = honest if corrupt is None else lambda *args, **kwargs: corrupt(honest(*args, **kwargs))
+
+
+def noise(out: torch.Tensor) -> torch.Tensor:
+    return out + 0.01 * out.norm(dim=-1, keepdim=True) / out.shape[-1] ** 0.5 * torch.randn_like(out)
+
+
+async def generate(source, maddrs, verify: float, observed: dict[str, float] | None = None):
+    swarm = await join_swarm(maddrs, client_mode=True)
+    try:
+        model = RemoteCausalLM(source, swarm, compression="none", verify=verify)
+        model.health.observed = dict(observed or {})  # what routing prefers, whatever earlier runs saw
+        result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
+        return result, model._access().distrusted, swarm.writer_id
+    finally:
+        await swarm.shutdown()
+
+
+async def scenario(source):
+    # two peers serve layers 1:3; the liar claims to be faster, so routes go through it first
+    async with running_peers(source, [(0, 1), (1, 3), (3, 4)]) as (peers, maddrs):
+        liar = await start_peer(source, maddrs, (1, 3), throughput="1000")
+        lie(liar, None)
+        try:
+            honest = await generate(source, maddrs, verify=1.0)  # every step checked: no false alarm
+            lie(liar, noise)
+            first = await generate(source, maddrs, verify=0.2)  # routed through the liar
+            lie(liar, torch.zeros_like)
+            # seen slow: routed through the honest peer, and the liar lies as the checking route
+            second = await generate(source, maddrs, verify=0.2, observed={liar.swarm.peer_id: 1e-3})
+            reports = await peers[0].swarm.fault_reports(peers[0].model)
+            # clients of one process sign with one key: one reporter, which bans nobody else
+            lie(liar, None)
+            reported_once = await generate(source, maddrs, verify=0.0)
+            # a second reporter (a peer's own key stands in for another user's client)
+            await peers[2].swarm.report_faulty(peers[2].model, reports[0][1])
+            lie(liar, torch.zeros_like)
+            trusting = await generate(source, maddrs, verify=0.0)
+        finally:
+            await stop_peer(liar)
+    return liar.swarm.peer_id, honest, first, second, reports, reported_once, trusting
+
+
+def test_liar_is_caught_named_reported_and_avoided(tiny_models, caplog):
+    source = tiny_models["llama"]
+    caplog.set_level(logging.WARNING, logger="p2pfusion")
+    liar, honest, first, second, reports, reported_once, trusting = uvloop.run(scenario(source))
+    ref = reference_model(source)
+    with torch.no_grad():
+        expected = ref.generate(torch.tensor([IDS]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+    expected = expected[0, len(IDS):].tolist()
+
+    result, distrusted, _ = honest
+    assert result.token_ids == expected and result.rewinds == 0 and not distrusted
+    for result, distrusted, _ in (first, second):
+        assert result.token_ids == expected and distrusted == {liar}
+    assert first[0].rewinds >= 1 and second[0].rewinds == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and liar in r.getMessage()]
+    assert sum("returned wrong results for layers 1:3" in w for w in warnings) == 2
+    assert [(reporter, report.peer_id) for reporter, report in reports] == [(first[2], liar)] and first[2] == second[2]
+    assert reported_once[0].token_ids == expected and not reported_once[1]
+    result, distrusted, _ = trusting  # no checks at all, yet the liar is avoided
+    assert result.token_ids == expected and distrusted == {liar}

@@ -1,0 +1,95 @@
+"""The verification policies (client/verify.py), without a network."""
+
+import math
+
+import pytest
+import torch
+
+from p2pfusion.client.verify import (
+    Culprit,
+    alternative_route,
+    check_rate,
+    distrusted_by_reports,
+    first_mismatch,
+    judge,
+    relative_errors,
+    tolerance,
+    unchecked_layers,
+    witness_chain,
+)
+from p2pfusion.dht.records import FaultReport, PeerRecord, PeerState
+from p2pfusion.errors import RequestError
+from p2pfusion.models.stage import load_stage
+
+
+def record(peer: str, start: int, end: int, rate: float = 100.0, state=PeerState.ONLINE) -> PeerRecord:
+    return PeerRecord("m", peer, [], start, end, state, compute_rate=rate, network_rate=None, device="cpu")
+
+
+def report(accused: str) -> FaultReport:
+    return FaultReport(accused, 0, 2, 0.5, "0" * 64, "1" * 64, ("W",), 0.0)
+
+
+def test_one_reporter_is_not_a_ban():
+    assert distrusted_by_reports([("R1", report("A")), ("R1", report("A"))]) == set()
+    assert distrusted_by_reports([("R1", report("A")), ("R2", report("A")), ("R3", report("B"))]) == {"A"}
+    # a peer accusing itself (to look like a reporter) does not count
+    assert distrusted_by_reports([("A", report("A")), ("R1", report("A"))]) == set()
+
+
+def test_judge_needs_a_third_opinion():
+    assert judge(True, None, None) == Culprit.NONE
+    assert judge(False, None, None) == Culprit.UNDECIDED
+    assert judge(False, False, True) == Culprit.PRIMARY
+    assert judge(False, True, False) == Culprit.WITNESS
+    assert judge(False, False, False) == Culprit.UNDECIDED
+
+
+def test_relative_errors_per_position():
+    reference = torch.ones(1, 3, 4)
+    claimed = reference.clone()
+    claimed[0, 1] *= 1.01
+    claimed[0, 2, 0] = math.nan
+    errors = relative_errors(claimed, reference)
+    assert errors[0, 0] == 0 and errors[0, 1] == pytest.approx(0.01, rel=1e-4) and errors[0, 2] == math.inf
+    assert first_mismatch(errors, 1e-3) == 1
+    assert first_mismatch(relative_errors(claimed, reference, torch.tensor([[1, 0, 0]])), 1e-3) is None
+
+
+def test_tolerance_is_tight_only_for_exact_float32():
+    assert tolerance("none", torch.float32) <= 2e-4
+    assert tolerance("auto", torch.float32) >= tolerance("float16", torch.float32) > tolerance("none", torch.float32)
+    assert tolerance("none", torch.float16) > tolerance("none", torch.float32)
+    assert tolerance("topk", torch.float32) == math.inf
+    with pytest.raises(RequestError):
+        check_rate(1.5)
+
+
+def test_honest_float16_compute_and_wire_meet_the_tolerance(tiny_models):
+    """A float16 stage, and float16 on the wire, against float32: within the bars they get."""
+    source = tiny_models["llama"]
+    torch.manual_seed(1)
+    hidden = torch.randn(1, 24, 64)
+    exact = load_stage(source, 0, 4).forward(hidden, 0)
+    half = load_stage(source, 0, 4, torch.float16).forward(hidden.half(), 0)
+    assert float(relative_errors(half, exact).max()) < tolerance("none", torch.float16) / 4
+    stages = [load_stage(source, a, a + 1) for a in range(4)]
+    wired = hidden
+    for stage in stages:
+        wired = stage.forward(wired.half().float(), 0)
+    assert float(relative_errors(wired, exact).max()) < tolerance("auto", torch.float32) / 4
+
+
+def test_alternative_route_reuses_as_few_peers_as_it_can():
+    records = [record("A", 0, 2), record("B", 2, 4), record("C", 0, 2, rate=1.0), record("D", 2, 4, state=PeerState.BACKUP)]
+    route = alternative_route(records, 4, primary={"A", "B"})
+    assert [r.peer_id for r in route] == ["C", "D"] and unchecked_layers(route, {"A", "B"}) == []
+    route = alternative_route(records[:3], 4, primary={"A", "B"})
+    assert [r.peer_id for r in route] == ["C", "B"] and unchecked_layers(route, {"A", "B"}) == [(2, 4)]
+    assert alternative_route(records[:3], 4, primary={"A", "B"}, avoid={"B"}) is None
+
+
+def test_witness_chain_covers_exactly_the_hop():
+    records = [record("A", 0, 2), record("B", 0, 1), record("C", 1, 2), record("D", 0, 3)]
+    assert [r.peer_id for r in witness_chain(records, 0, 2, avoid={"A"})] == ["B", "C"]
+    assert witness_chain(records, 0, 2, avoid={"A", "C"}) is None
