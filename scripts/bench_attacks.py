@@ -2,21 +2,23 @@
 """A legitimate user's generation under each attack of a hostile client or DHT writer, against the
 same generation with no attack, in one run.
 
-A local swarm of the default model on two peer processes (0:15 and 15:30). For each attack, an
-attacker process starts it and keeps it up; after a few seconds the user runs a greedy generation
-from a fresh client (join, route, prefill, decode). Printed per attack: the user's wall time over
-the no-attack run's, whether the tokens are identical to transformers', and the peers' largest
-RSS during the attack over their RSS before it. Attacks:
-- slowloris: thousands of TLS connections that send a valid hello and then nothing;
+A fresh local swarm of the default model on two peer processes (0:15 and 15:30) per attack. An
+attacker process starts the attack and says when it is under way; 3 s later the user runs a
+greedy generation from a fresh client (join, route, prefill, decode) and compares its tokens with
+transformers'. Printed per attack: the user's wall time over the no-attack run's, whether the
+tokens are identical, and the peers' largest RSS growth. Attacks:
+- slowloris: TLS connections that send a valid hello and then nothing, as fast as it can;
 - amplification: steps whose top-k frame declares [2**29] values in a 2 MiB body, on 2 streams;
 - prefill-flood: three clients looping [4, 2048, 576] prefills through the whole route;
 - session-flood: 60 sessions of 2,000 prefilled tokens each, left idle;
 - dht-wipe: an unsigned store of "gone" under the model's key, with no subkey, every second;
-- dht-flood: 2,000 records of 3 KB under the model's key, unsigned, in 4 s;
+- dht-flood: 2,000 records of 3 KB under the model's key, unsigned, at once;
 - tarpit: 20 signed records of fake online peers serving every layer, each with 8 data addresses
   pointing at a TCP tarpit (accepts, never answers).
+The flooding clients dial through libp2p: on loopback every direct connection comes from
+127.0.0.1, as the user's do, and they must count as a source of their own.
 
-Usage: python scripts/bench_attacks.py [--tokens 16] [--attacks slowloris,dht-wipe,...]
+Usage: python scripts/bench_attacks.py [--tokens 24] [--attacks slowloris,dht-wipe,...]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import os
 import resource
+import select
 import ssl
 import subprocess
 import sys
@@ -48,10 +51,19 @@ from p2pfusion.net.transport import _split_addr
 
 PROMPT = "What is the capital of France?"
 ATTACKS = ["slowloris", "amplification", "prefill-flood", "session-flood", "dht-wipe", "dht-flood", "tarpit"]
-WARMUP = 5.0
+WARMUP = 3.0  # seconds of attack before the user starts
 
 
 # --- the attacker: one process per attack, until it is killed ---------------------------------
+
+
+def ready(what: str) -> None:
+    """Tell the bench the attack is under way (it starts the user's generation only then)."""
+    print(f"ready: {what}", flush=True)
+
+
+def tell(what: str) -> None:
+    print(what, file=sys.stderr, flush=True)
 
 
 async def _records(maddrs, key):
@@ -63,7 +75,7 @@ async def slowloris(maddrs, key, hidden):
     client, records = await _records(maddrs, key)
     context = ssl.create_default_context()
     context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
-    held = []
+    held, failed, rounds = [], 0, 0
     hello = b"".join(bytes(p) for p in encode({"protocol": m.PROTOCOL}))
     while True:
         for record in records:
@@ -73,7 +85,11 @@ async def slowloris(maddrs, key, hidden):
                 writer.write(hello)
                 held.append(writer)
             except (OSError, TimeoutError):
+                failed += 1
                 await asyncio.sleep(0.01)
+        rounds += 1
+        if rounds == 200:
+            ready(f"{len(held)} connections opened, {failed} refused")
         if len(held) > 20_000:
             await asyncio.sleep(1)
 
@@ -95,6 +111,8 @@ async def amplification(maddrs, key, hidden):
     body = bytes(2 << 20)
     spec = {"codec": "topk", "dtype": "float32", "shape": [2**29], "k": 0, "parts": [len(body) // 2, len(body) // 2]}
 
+    sent = [0]
+
     async def stream(record):
         while True:
             try:
@@ -104,61 +122,87 @@ async def amplification(maddrs, key, hidden):
                     packed = msgpack.packb(header, use_bin_type=True)
                     writer.write(PREFIX.pack(len(packed), len(body)) + packed + body)
                     await writer.drain()
-                    await asyncio.wait_for(read_frame(reader), 30)
-            except (OSError, EOFError, TimeoutError, P2PFusionError):
+                    reply, _ = await asyncio.wait_for(read_frame(reader), 30)
+                    sent[0] += 1
+                    if sent[0] == 4:
+                        ready(f"bombs answered with: {str(reply.get('message'))[:80]}")
+            except (OSError, EOFError, TimeoutError, P2PFusionError) as exc:
+                tell(f"amplification stream: {exc!r}"[:200])
                 await asyncio.sleep(0.1)
 
     await asyncio.gather(*(stream(records[i % len(records)]) for i in range(2)))
 
 
+def via_libp2p(client) -> None:
+    """Dial peers through libp2p only: on loopback every direct connection comes from 127.0.0.1,
+    the user's address too, and the attacker must count as a source of its own (as from another host)."""
+    direct = client.transport.open
+    client.transport.open = lambda peer_id, addrs, protocol, timeout=15.0: direct(peer_id, [], protocol, timeout)
+
+
 async def prefill_flood(maddrs, key, hidden):
     source = resolve_model(None)
     client = await join_swarm(maddrs, client_mode=True)
+    via_libp2p(client)
     model = RemoteCausalLM(source, client)
+
+    done = [0]
 
     async def loop():
         while True:
             try:
-                session = await model._access().session(2048).open()
+                session = await model._access().session(2048, batch=4).open()
                 try:
                     await session.step(torch.randn(4, 2048, hidden))
+                    done[0] += 1
+                    if done[0] == 1:
+                        ready("a [4, 2048] prefill went through")
                 finally:
                     await session.close()
-            except P2PFusionError:
+            except P2PFusionError as exc:
+                tell(f"prefill flood: {exc}"[:200])
                 await asyncio.sleep(0.5)
 
+    ready("prefills sent")
     await asyncio.gather(*(loop() for _ in range(3)))
 
 
 async def session_flood(maddrs, key, hidden):
     source = resolve_model(None)
     client = await join_swarm(maddrs, client_mode=True)
+    via_libp2p(client)
     model = RemoteCausalLM(source, client)
-    held = []
-    for _ in range(60):
+    held, refused = [], []
+    for i in range(60):  # the user starts once 10 are held; the rest open while it generates
         try:
             session = await model._access().session(2048).open()
             await session.step(torch.randn(1, 2000, hidden))
             held.append(session)
         except P2PFusionError as exc:
-            print(f"session flood: {exc}", file=sys.stderr)
+            refused.append(str(exc))
+        if i == 9:
+            ready(f"{len(held)} sessions of 2,000 tokens held")
+    tell(f"{len(held)} sessions held, {len(refused)} refused{': ' + refused[0][:160] if refused else ''}")
     await asyncio.Event().wait()
 
 
 async def dht_wipe(maddrs, key, hidden):
     client = await join_swarm(maddrs, client_mode=True)
+    stored = await client.dht.store(model_key(key), "gone", expiration_time=time.time() + 120)
+    ready(f"wipe stored: {stored}")
     while True:
-        await client.dht.store(model_key(key), "gone", expiration_time=time.time() + 120)
         await asyncio.sleep(1)
+        await client.dht.store(model_key(key), "gone", expiration_time=time.time() + 120)
 
 
 async def dht_flood(maddrs, key, hidden):
     client = await join_swarm(maddrs, client_mode=True)
     junk = {"junk": "x" * 3000}
-    await asyncio.gather(*(
+    stored = await asyncio.gather(*(
         client.dht.store(model_key(key), subkey=f"junk{i}", value=junk, expiration_time=time.time() + 900)
         for i in range(2000)
     ))
+    ready(f"{sum(stored)} of {len(stored)} junk records stored")
     await asyncio.Event().wait()
 
 
@@ -179,10 +223,12 @@ async def tarpit(maddrs, key, hidden):
             since=time.time(),
         )
         fakes.append((node, record))
+    stored = [await node.announce(record) for node, record in fakes]
+    ready(f"{sum(stored)} of {len(fakes)} tarpit records stored")
     while True:
+        await asyncio.sleep(10)
         for node, record in fakes:
             await node.announce(record)
-        await asyncio.sleep(10)
 
 
 WORKERS = {
@@ -237,7 +283,7 @@ async def _user(source, maddrs, tokens):
     try:
         model = RemoteCausalLM(source, client)
         ids = model.encode(PROMPT, chat=True)
-        result = await model.generate(ids, tokens, stop_at_eos=False)
+        result = await model.generate(ids, tokens)
     finally:
         await client.shutdown()
     return time.perf_counter() - t0, result.token_ids
@@ -253,7 +299,7 @@ def run_user(source, maddrs, tokens, timeout=300.0):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--maddrs", nargs="*", help=argparse.SUPPRESS)
@@ -285,7 +331,12 @@ def main() -> None:
             if attack != "none":
                 cmd = [sys.executable, __file__, "--worker", attack, "--key", source.key, "--hidden", str(hidden),
                        "--maddrs", *swarm.maddrs]
-                attacker = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(swarm.workdir / "attacker.log", "w"))
+                log = open(swarm.workdir / "attacker.log", "w")
+                attacker = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
+                # "ready: ..." once the attack is under way
+                line = attacker.stdout.readline().strip() if select.select([attacker.stdout], [], [], 120)[0] else ""
+                said = (swarm.workdir / "attacker.log").read_text()[-300:]
+                print(f"  {attack}: attacker {line or 'not ready within 120 s: ' + said}", file=sys.stderr)
                 time.sleep(WARMUP)
             watch = RssWatch(pids)
             seconds, tokens = run_user(source, swarm.maddrs, args.tokens)
@@ -293,6 +344,9 @@ def main() -> None:
             if attacker is not None:
                 attacker.kill()
                 attacker.wait()
+                said = (swarm.workdir / "attacker.log").read_text().strip().splitlines()
+                if said:
+                    print(f"  {attack}: attacker's last line: {said[-1][:200]}", file=sys.stderr)
             growth = max(peak[pid] - base[pid] for pid in pids)
             rows.append((attack, seconds, tokens == expected, growth))
             shown = "failed" if seconds is None else f"{seconds:.2f} s"

@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 OPEN_TIMEOUT = 5.0
 ACK_TIMEOUT = 15.0  # the first hop acknowledges once every hop of the chain has opened the next
 STEP_TIMEOUT = 60.0
+# What a peer's reply may hold: a step's output or gradient (MAX_STEP_TOKENS positions of a
+# hidden size up to 16,384, float32), or an adapter's gradients, of the same order at most.
+MAX_REPLY_BYTES = m.MAX_STEP_TOKENS * 16384 * 4
+REPLY_LIMITS = FrameLimits(header=1 << 20, body=MAX_REPLY_BYTES, decoded=MAX_REPLY_BYTES, tensor_kinds=m.TENSOR_KINDS)
 MIN_CHUNK_TOKENS = 64  # smaller pieces make matrix products less efficient than the overlap gains
 
 
@@ -144,7 +148,7 @@ class InferenceSession:
         peer_id = self._end(stream).peer_id
         # any kind that carries a tensor may, so that one on the wrong stream is read whole and
         # dropped, with the stream still in step
-        limits = FrameLimits(tensor_kinds=m.TENSOR_KINDS)
+        limits = REPLY_LIMITS
         try:
             while True:
                 try:

@@ -79,16 +79,23 @@ class SwarmNode:
         """(subject, writer, value) of the key's subkeys, the latest first; bounded in time and in
         count. The subject is the subkey less its owner marker, the writer the subkey's signer (the
         validator has checked the signature)."""
-        try:
-            found = await asyncio.wait_for(self.dht.get(key, latest=True), LOOKUP_TIMEOUT)
-        except asyncio.TimeoutError:
-            log.warning("DHT read of %s took over %.0f s; going on without it", key, LOOKUP_TIMEOUT)
-            return []
+        found = await self._get(key)
+        if (found is None or not isinstance(found.value, dict)) and await self.heal():
+            # a long-lived node (a client between generations) may have lost every neighbour to
+            # unanswered requests on a busy machine: one read after they are back
+            found = await self._get(key)
         if found is None or not isinstance(found.value, dict):
             return []
         entries = sorted(found.value.items(), key=lambda item: -getattr(item[1], "expiration_time", 0.0))
         kept = [(_subject(subkey), owner_of(subkey), getattr(e, "value", None)) for subkey, e in entries[:MAX_FOUND]]
         return [(subject, writer, value) for subject, writer, value in kept if writer is not None]
+
+    async def _get(self, key: str):
+        try:
+            return await asyncio.wait_for(self.dht.get(key, latest=True), LOOKUP_TIMEOUT)
+        except asyncio.TimeoutError:
+            log.warning("DHT read of %s took over %.0f s; going on without it", key, LOOKUP_TIMEOUT)
+            return None
 
     async def announce(self, record: PeerRecord, ttl: float = RECORD_TTL) -> bool:
         # a host listening on every interface may have more addresses than a record may carry
@@ -153,17 +160,21 @@ class SwarmNode:
 
     async def heal(self) -> int:
         """Ping the initial peers and the peers lookups listed lately that the DHT's routing table
-        lost, so that they come back into it; returns how many answered. hivemind drops a peer from
-        the table when one request to it goes unanswered, and only a later request between the two
-        puts it back: once a node's table is empty it asks nobody, and nobody may ask it (see
-        docs/architecture.md, DHT records). A table of a bucket's size or more is left alone."""
+        lost or blacklisted, so that they come back into it; returns how many answered. hivemind
+        drops a peer from the table when one request to it goes unanswered, and only a later
+        request between the two puts it back: once a node's table is empty it asks nobody, and
+        nobody may ask it (see docs/architecture.md, DHT records). A table of a bucket's size or
+        more is left alone."""
         table = self.dht.protocol.routing_table
         if len(table.uid_to_peer_id) >= self.dht.protocol.bucket_size:
             return 0
         now = time.monotonic()
         recent = sorted((p for p, when in self.seen.items() if now - when < REMEMBERED), key=lambda p: -self.seen[p])
         candidates = [m.rsplit("/p2p/", 1)[-1] for m in self.transport.initial_peers] + recent
-        missing = [p for p in dict.fromkeys(_peer_ids(candidates)) if p not in table][:HEAL_PINGS]
+        # a peer still in the table may be in hivemind's blacklist, whose back-off doubles with each
+        # unanswered request (on a busy machine, for minutes): a read then skips it as if it were gone
+        lost = [p for p in dict.fromkeys(_peer_ids(candidates)) if p not in table or p in self.dht.blacklist]
+        missing = lost[:HEAL_PINGS]
         if not missing:
             return 0
         answers = await asyncio.gather(*(self.dht.protocol.call_ping(p) for p in missing))
