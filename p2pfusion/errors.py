@@ -32,3 +32,9 @@ class PeerBusy(PeerFailed):
 
 class SessionExpired(PeerFailed):
     """A peer closed a session that sat idle: the client opens it again and replays. Not a fault."""
+
+
+class PeerRefused(RequestError):
+    """A peer answered a request with an error (not naming a failed peer). It may be ours to fix,
+    or made up by a hostile hop on the route: a session asks a route of other peers before
+    believing it."""

@@ -246,3 +246,16 @@ def test_a_network_error_reaching_the_cli_is_one_line(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "p2pfusion: error: ConnectionResetError: [Errno 104] Connection reset by peer"
     assert not any("Traceback" in line for line in err)
+
+
+def test_a_made_up_refusal_is_checked_on_other_peers(swarm):
+    ids = swarm.ids
+    refusal = m.Error(message="hidden states must be float16, got float32", step=2)
+    arm(swarm.forger, lambda step, out: [(m.to_header(refusal), None)] if step == 2 else [])
+    try:
+        model = swarm.model()
+        result, _ = swarm.generate(model)
+    finally:
+        disarm(swarm.forger)
+    assert result.token_ids == swarm.expected  # the step went again through the honest 0:2 peer
+    assert ids["forger"] not in model.health.bans and ids["honest"] not in model.health.bans

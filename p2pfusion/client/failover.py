@@ -31,7 +31,7 @@ from p2pfusion.client.session import InferenceSession
 from p2pfusion.client.trust import FalseClaim
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
-from p2pfusion.errors import PeerBusy, PeerFailed, RouteError, SessionExpired
+from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
 from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.links import LinkBook
 
@@ -96,6 +96,7 @@ class ResilientSession:
         self._busy: dict[str, tuple[int, float]] = {}  # peer id -> (times it was busy, skipped until)
         self._told_busy = False
         self._misbehaved: set[str] = set()  # hops that sent this session frames they may not send
+        self._refused: str | None = None  # a peer's error for the pending step, while other peers retry it
 
     async def open(self) -> ResilientSession:
         await self.connect(recovering=False)
@@ -248,9 +249,39 @@ class ResilientSession:
                 self.recoveries += not isinstance(exc, SessionExpired)
                 await self.drop()
                 continue
+            except PeerRefused as exc:
+                if not self._second_opinion(exc):
+                    raise
+                await self.drop()
+                continue
+            self._refused = None
             self._observe(inputs.shape[1])
             self.history.append((hidden, positions))
             return out[:, -hidden.shape[1]:] if replay else out
+
+    def _second_opinion(self, exc: PeerRefused) -> bool:
+        """Whether to try a step a peer refused again, through other peers: once per step, and only
+        where the swarm has a route avoiding some of this one's peers. Any hop may have made the
+        error up, and an honest refusal (a request of ours at fault) comes back from any route."""
+        if self._refused is not None:
+            return False
+        records, access = list(self._known.values()), self.access
+        avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | self._skipped()
+        others = set()
+        for record in self.session.route:  # every hop that has a stand-in
+            try:
+                find_route(records, access.num_layers, access.health.observed, avoid | others | {record.peer_id},
+                           True, self.max_length)
+                others.add(record.peer_id)
+            except RouteError:
+                continue
+        if not others:
+            return False
+        log.warning("a peer refused a step (%s); asking other peers", exc)
+        self._refused = str(exc)
+        now = time.monotonic()
+        self._avoid.update({peer: (self._since(peer), now) for peer in others})
+        return True
 
     async def rewind(self, length: int) -> None:
         """Forget every step past the first `length` positions: the next step opens a new route and

@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
-from p2pfusion.errors import PeerBusy, PeerFailed, RequestError, SessionExpired
+from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RequestError, SessionExpired
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, parse_compression
 
 PROTOCOL = "p2pfusion.inference.v3"
@@ -277,7 +277,7 @@ MAX_ERROR_TEXT = 500  # error texts reach users' terminals and logs
 
 def raise_for_error(reply: Any) -> None:
     """Raise an Error reply: PeerBusy or SessionExpired by its code, PeerFailed when it names a
-    failed peer (route around it), else RequestError."""
+    failed peer (route around it), else PeerRefused."""
     if isinstance(reply, Error):
         if reply.code == BUSY:
             raise PeerBusy(reply.message, reply.failed_peer)
@@ -285,7 +285,7 @@ def raise_for_error(reply: Any) -> None:
             raise SessionExpired(reply.message, reply.failed_peer)
         if reply.failed_peer is not None:
             raise PeerFailed(reply.message, reply.failed_peer)
-        raise RequestError(reply.message)
+        raise PeerRefused(reply.message)
 
 
 def _finite(raw: Any, name: str) -> float:
