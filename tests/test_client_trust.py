@@ -54,6 +54,16 @@ class Swarm:
         out = self.loop.run(model.generate(IDS, NEW_TOKENS, stop_at_eos=False, decode=False))
         return out, time.perf_counter() - t0
 
+    def attacked(self, forge):
+        """A fresh client's generation while the forger writes forge(step, output) frames to it."""
+        arm(self.forger, forge)
+        try:
+            model = self.model()
+            result, seconds = self.generate(model)
+        finally:
+            disarm(self.forger)
+        return model, result, seconds
+
     @property
     def ids(self) -> dict[str, str]:
         return {"forger": self.forger.swarm.peer_id, "honest": self.honest.swarm.peer_id, "last": self.last.swarm.peer_id}
@@ -110,12 +120,7 @@ def disarm(peer: Peer) -> None:
 def test_a_forged_result_on_the_head_stream_never_becomes_the_output(swarm):
     ids = swarm.ids
     # the first hop answers every step itself, before the last hop can, with states of its own
-    arm(swarm.forger, lambda step, out: [(m.to_header(m.Result(step)), torch.full_like(out, 3.0))])
-    try:
-        model = swarm.model()
-        result, _ = swarm.generate(model)
-    finally:
-        disarm(swarm.forger)
+    model, result, _ = swarm.attacked(lambda step, out: [(m.to_header(m.Result(step)), torch.full_like(out, 3.0))])
     assert result.token_ids == swarm.expected
     assert result.recoveries == 0  # the frames were dropped; the session went on
     assert swarm.forger.server.sessions_opened >= 1  # it was on the route
@@ -126,12 +131,7 @@ def test_a_forged_result_on_the_head_stream_never_becomes_the_output(swarm):
 def test_a_forged_failure_of_a_peer_off_the_route_bans_only_the_forger(swarm):
     ids = swarm.ids
     forged = m.Error(message=f"the next hop {ids['honest']} closed the session", failed_peer=ids["honest"])
-    arm(swarm.forger, lambda step, out: [(m.to_header(forged), None)] if step == 2 else [])
-    try:
-        model = swarm.model()
-        result, _ = swarm.generate(model)
-    finally:
-        disarm(swarm.forger)
+    model, result, _ = swarm.attacked(lambda step, out: [(m.to_header(forged), None)] if step == 2 else [])
     assert result.token_ids == swarm.expected
     assert result.recoveries == 1
     assert set(model.health.bans) == {ids["forger"]}  # the honest peer named is neither banned
@@ -141,12 +141,7 @@ def test_a_forged_failure_of_a_peer_off_the_route_bans_only_the_forger(swarm):
 
 def test_a_forged_leaving_of_the_only_server_costs_seconds_not_the_generation(swarm):
     ids = swarm.ids
-    arm(swarm.forger, lambda step, out: [(m.to_header(m.Leaving(ids["last"])), None)] if step == 2 else [])
-    try:
-        model = swarm.model()
-        result, seconds = swarm.generate(model)
-    finally:
-        disarm(swarm.forger)
+    model, result, seconds = swarm.attacked(lambda step, out: [(m.to_header(m.Leaving(ids["last"])), None)] if step == 2 else [])
     assert result.token_ids == swarm.expected
     assert seconds < 10.0
     # the client pinged `last`, found it serving, and held the hop before it to account
@@ -180,12 +175,7 @@ def test_busy_and_expired_move_the_session_without_a_ban(swarm):
     ids = swarm.ids
     for code in (m.BUSY, m.EXPIRED):
         error = m.Error(message=f"{code} on {ids['forger']}", failed_peer=ids["forger"], code=code)
-        arm(swarm.forger, lambda step, out: [(m.to_header(error), None)] if step == 2 else [])
-        try:
-            model = swarm.model()
-            result, seconds = swarm.generate(model)
-        finally:
-            disarm(swarm.forger)
+        model, result, seconds = swarm.attacked(lambda step, out: [(m.to_header(error), None)] if step == 2 else [])
         assert result.token_ids == swarm.expected, code
         assert model.health.bans == {}, code
         assert seconds < 10.0
@@ -251,11 +241,6 @@ def test_a_network_error_reaching_the_cli_is_one_line(monkeypatch, capsys):
 def test_a_made_up_refusal_is_checked_on_other_peers(swarm):
     ids = swarm.ids
     refusal = m.Error(message="hidden states must be float16, got float32", step=2)
-    arm(swarm.forger, lambda step, out: [(m.to_header(refusal), None)] if step == 2 else [])
-    try:
-        model = swarm.model()
-        result, _ = swarm.generate(model)
-    finally:
-        disarm(swarm.forger)
+    model, result, _ = swarm.attacked(lambda step, out: [(m.to_header(refusal), None)] if step == 2 else [])
     assert result.token_ids == swarm.expected  # the step went again through the honest 0:2 peer
     assert ids["forger"] not in model.health.bans and ids["honest"] not in model.health.bans
