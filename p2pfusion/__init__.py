@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoDistributedModelForCausalLM"]
+__all__ = ["AutoDistributedModelForCausalLM", "SwarmLM", "SwarmLMSync"]
 
 
 def __getattr__(name: str):
@@ -11,4 +11,8 @@ def __getattr__(name: str):
         from p2pfusion.client.model import AutoDistributedModelForCausalLM
 
         return AutoDistributedModelForCausalLM
+    if name in ("SwarmLM", "SwarmLMSync"):
+        from p2pfusion.client import swarm_lm
+
+        return getattr(swarm_lm, name)
     raise AttributeError(f"module 'p2pfusion' has no attribute {name!r}")

@@ -26,8 +26,13 @@ class PeerFailed(RouteError):
 
 
 class PeerBusy(PeerFailed):
-    """A peer has no room now (its memory, or this client's share of it): try another peer, or
-    later. Not a fault: the client does not ban it."""
+    """A peer has no room now (its memory, its session cap, or this client's share of them): try
+    another peer, or this one again after `retry_after` seconds (None: the peer gave no hint).
+    Not a fault: the client does not ban it."""
+
+    def __init__(self, message: str, peer_id: str | None, retry_after: float | None = None):
+        super().__init__(message, peer_id)
+        self.retry_after = retry_after
 
 
 class SessionExpired(PeerFailed):

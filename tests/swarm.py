@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager, contextmanager
 
 from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import ModelSource
 from p2pfusion.peer.runtime import Peer, PeerOptions
@@ -42,15 +44,32 @@ async def running_peers(source: ModelSource, ranges: list[tuple[int, int]], **op
 
 @contextmanager
 def peers_in_background(source: ModelSource, ranges: list[tuple[int, int]], **options):
-    """Like running_peers, on a loop of their own thread, for tests of the synchronous client API;
-    yields (peers, bootstrap maddrs, the loop)."""
+    """Like running_peers, on a loop of their own thread, for tests of the synchronous client API
+    and module-wide swarms; yields (peers, bootstrap maddrs, the loop). The peers' records are
+    refreshed as run-peer's upkeep would, or they would expire after 30 s."""
     loop = BackgroundLoop("test-peers")
     peers = running_peers(source, ranges, **options)
     try:
         started, maddrs = loop.run(peers.__aenter__())
-        yield started, maddrs, loop
+        refresher = loop.run(_start(_keep_announcing(started)))
+        try:
+            yield started, maddrs, loop
+        finally:
+            loop.loop.call_soon_threadsafe(refresher.cancel)
     finally:
         try:
             loop.run(peers.__aexit__(None, None, None))
         finally:
             loop.close()
+
+
+async def _start(coro) -> asyncio.Task:
+    return asyncio.create_task(coro)
+
+
+async def _keep_announcing(peers: list[Peer]) -> None:
+    while True:
+        await asyncio.sleep(peers[0].options.refresh_period)
+        for peer in peers:
+            if peer.record is not None and peer.record.state != PeerState.OFFLINE:
+                await peer.announce()

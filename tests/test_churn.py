@@ -187,12 +187,12 @@ def test_a_peer_that_moves_away_and_back_is_used_again(tiny_models):
             model = RemoteCausalLM(source, client)
             try:
                 session = await model.open_session(32)
-                tokens = [model.next_token(await session.step(model.embed(ids)), 0.0, None)]
+                tokens = [await model.next_token(await session.step(model.embed(ids)), 0.0, None)]
                 move = asyncio.ensure_future(peers[1].move(2, 4, overlap=False))
                 while not peers[1].server.draining:  # it has told the session it is leaving
                     await asyncio.sleep(0.01)
                 for _ in range(11):
-                    tokens.append(model.next_token(await session.step(model.embed(tokens[-1:])), 0.0, None))
+                    tokens.append(await model.next_token(await session.step(model.embed(tokens[-1:])), 0.0, None))
                 await move
                 await session.close()
             finally:

@@ -1,5 +1,7 @@
 """The float16-screened greedy head gives exactly the float32 head's token, or defers to it."""
 
+import asyncio
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -56,6 +58,7 @@ def test_exact_ties_and_inputs_float16_cannot_hold_go_to_the_full_head():
     x = weight[3].clone()  # rows 3 and 7 share the best logit
     screen = ScreenedHead.of(weight)
     assert screen.next_token(x) is None
+    assert screen.next_tokens(torch.stack([x, weight[5]])) == [None, 5]  # a tie only the full head settles
     assert screen.next_token(torch.full((16,), 1e5)) is None
     assert screen.next_token(torch.full((16,), float("nan"))) is None
 
@@ -73,7 +76,15 @@ def test_screen_decides_almost_every_token_of_the_default_model_and_matches_tran
         local.generate(ids, max_new_tokens=60, do_sample=True)
         hook.remove()
         expected = [int(local.lm_head(local.model.norm(hidden))[0, -1].argmax()) for hidden in inputs]
-    assert [client.next_token(hidden, 0.0, None) for hidden in inputs] == expected
+
+    async def one_by_one():
+        return [await client.next_token(hidden, 0.0, None) for hidden in inputs]
+
+    async def all_at_once():  # as many sessions asking together: one float32 product for all rows
+        return list(await asyncio.gather(*(client.next_token(hidden, 0.0, None) for hidden in inputs)))
+
+    assert asyncio.run(one_by_one()) == expected
+    assert asyncio.run(all_at_once()) == expected
     screen = screened_head(client.head)
     decided = sum(screen.next_token(client.head.model.norm(hidden)[0, -1]) is not None for hidden in inputs)
     assert decided >= 0.9 * len(inputs)

@@ -1,14 +1,16 @@
-"""The peer's pure policies against hostile clients: admission to its session memory, the order
-its compute thread runs jobs in, what a hop relays upstream, and where it may dial a next hop."""
+"""The peer's pure policies against hostile clients: admission to its KV cache budget, what a hop
+relays upstream, and where it may dial a next hop."""
 
 import asyncio
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from p2pfusion.dht.records import PeerState
 from p2pfusion.net import messages as m
-from p2pfusion.peer.admission import Budget, Reservation, kv_bytes_per_token, refusal
+from p2pfusion.peer.admission import ROOM_RETRY, SHARE_RETRY, Budget, Reservation, kv_bytes_per_token, refusal
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
 from p2pfusion.peer.relay import screen
-from p2pfusion.peer.scheduler import URGENT_ROWS, Pending, chunks, pick
 from tests.policy_records import rec
 
 MIB = 1 << 20
@@ -17,29 +19,42 @@ MIB = 1 << 20
 def test_sessions_reserve_their_whole_cache_within_the_budget_and_each_sources_share():
     # the default model's 30 layers, 3 KV heads of 64, float32: 46 KiB a token
     assert kv_bytes_per_token(30, 3, 64, 4) == 2 * 30 * 3 * 64 * 4
-    budget = Budget(total=100 * MIB, source_share=0.5, source_sessions=3)
+    budget = Budget(total=100 * MIB, source_share=0.5, source_sessions=3, sessions=5)
     held = [Reservation("ip:a", 30 * MIB), Reservation("ip:b", 40 * MIB)]
     assert refusal(budget, held, Reservation("ip:c", 30 * MIB)) is None
-    assert "no room" in refusal(budget, held, Reservation("ip:c", 31 * MIB))
-    assert "one client may hold at most 50 MiB" in refusal(budget, held, Reservation("ip:b", 11 * MIB))
+    full = refusal(budget, held, Reservation("ip:c", 31 * MIB))
+    assert "no room" in full.reason and full.retry_after == ROOM_RETRY
+    own = refusal(budget, held, Reservation("ip:b", 11 * MIB))
+    assert "one client may hold at most 50 MiB" in own.reason and own.retry_after == SHARE_RETRY
     assert refusal(budget, held, Reservation("ip:b", 10 * MIB)) is None
-    assert "exceeds what one client may reserve" in refusal(budget, [], Reservation("ip:a", 51 * MIB))
+    never = refusal(budget, [], Reservation("ip:a", 51 * MIB))
+    assert "never fits here" in never.reason and never.retry_after is None  # not busy: no wait helps
     many = [Reservation("ip:a", MIB)] * 3
-    assert "already has 3 sessions" in refusal(budget, many, Reservation("ip:a", MIB))
+    assert "already has 3 sessions" in refusal(budget, many, Reservation("ip:a", MIB)).reason
     assert refusal(budget, many, Reservation("ip:b", MIB)) is None  # others are not held back
+    capped = refusal(budget, many + [Reservation("ip:b", MIB)] * 2, Reservation("ip:c", MIB))
+    assert "5 sessions open, at most 5" in capped.reason and capped.retry_after == ROOM_RETRY
 
 
-def test_decoding_steps_go_first_and_sources_take_turns_with_their_chunks():
-    big = URGENT_ROWS + 1
-    jobs = [Pending("ip:flood", big, 0), Pending("ip:flood", big, 1), Pending("ip:chat", big, 2), Pending("ip:chat", 1, 3)]
-    assert pick(jobs, None) == 3  # the decoding step, though it came last
-    chunked = jobs[:3]
-    assert pick(chunked, None) == 0
-    assert pick(chunked, "ip:chat") == 0  # the ring wraps around
-    assert pick(chunked, "ip:flood") == 2  # after a flood chunk, the chat's turn
-    assert chunks(600, 1, 256) == [(0, 256), (256, 512), (512, 600)]
-    assert chunks(10, 4, 256) == [(0, 10)]
-    assert chunks(3, 512, 256) == [(0, 1), (1, 2), (2, 3)]  # at least a token each
+@given(
+    st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 40)), max_size=12),
+    st.sampled_from("abcd"), st.integers(1, 80),
+)
+def test_admitted_sessions_never_pass_the_budget_the_cap_or_a_share(held, source, mib):
+    budget = Budget(total=100 * MIB, source_share=0.5, source_sessions=4, sessions=8)
+    admitted: list[Reservation] = []
+    for src, size in held:  # admitted one by one, as a peer would
+        if refusal(budget, admitted, Reservation(src, size * MIB)) is None:
+            admitted.append(Reservation(src, size * MIB))
+    request = Reservation(source, mib * MIB)
+    refused = refusal(budget, admitted, request)
+    after = admitted + ([request] if refused is None else [])
+    assert sum(r.nbytes for r in after) <= budget.total and len(after) <= budget.sessions
+    for src in "abcd":
+        own = [r for r in after if r.source == src]
+        assert sum(r.nbytes for r in own) <= 50 * MIB and len(own) <= budget.source_sessions
+    # busy means a wait may help; a refusal without a hint means no wait ever does
+    assert refused is None or (refused.retry_after is None) == (mib > 50)
 
 
 def test_a_relay_passes_only_claims_about_the_hops_after_it():

@@ -144,7 +144,7 @@ def test_silent_streams_and_idle_sessions_expire(tiny_models):
 
 async def _memory(source):
     # 1 KiB of KV per token here (4 layers, 2 KV heads of 16, float32): 2 MiB per 2048-token session
-    async with running_peers(source, [(0, 4)], session_memory=80 * MIB) as ([peer], maddrs):
+    async with running_peers(source, [(0, 4)], cache_memory=80 * MIB) as ([peer], maddrs):
         client = await join_swarm(maddrs, client_mode=True)
         attacker = await join_swarm(maddrs, client_mode=True)
         baseline = _rss()

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pfusion.client.health import BAN_MAX, PeerHealth
+from p2pfusion.client.health import BAN_MAX, HINT_MAX, PeerHealth
 from p2pfusion.client.routing import find_route
 from p2pfusion.client.session import MIN_CHUNK_TOKENS, chunk_sizes
 from p2pfusion.dht.records import PeerRecord, PeerState
@@ -69,9 +69,15 @@ def test_record_parsing_rejects_malformed_values():
         None, 3, {}, {**good, "state": "dancing"}, {**good, "start": 5}, {**good, "maddrs": 7},
         {**good, "compute_rate": float("nan")}, {**good, "compute_rate": 0}, {**good, "network_rate": -1.0},
         {**good, "moving_to": [3]}, {**good, "moving_to": [5, 2]}, {**good, "load": "x"},
+        {**good, "sessions": -1}, {**good, "queued": 1.5}, {**good, "sessions": True}, {**good, "queued": 1 << 60},
+        {**good, "cache_used": 2, "cache_total": 1}, {**good, "token_bytes": "x"},
     )
     for bad in bad_values:
         assert PeerRecord.from_value(bad) is None
+    loaded = rec(0, 4, sessions=3, queued=2, cache_used=10, cache_total=20, token_bytes=1)
+    assert PeerRecord.from_value(loaded.to_value()) == loaded
+    older = {k: v for k, v in good.items() if k not in ("sessions", "queued", "cache_used", "cache_total", "token_bytes")}
+    assert PeerRecord.from_value(older) == PeerRecord.from_value(good)  # a peer announcing no load carries none
 
 
 def test_failing_peers_are_banned_with_growing_back_off():
@@ -83,6 +89,18 @@ def test_failing_peers_are_banned_with_growing_back_off():
     assert health.banned(now=BAN_MAX - 1) == {"p"} and health.banned(now=BAN_MAX + 1) == set()
     health.succeeded("p")
     assert health.failed("p", now=0.0) == 5.0
+
+
+def test_busy_peers_are_skipped_as_long_as_they_hint_with_back_off():
+    health = PeerHealth()
+    assert [health.was_busy("p", now=0.0) for _ in range(6)] == [1.0, 2.0, 4.0, 8.0, 16.0, 16.0]  # no hint
+    assert health.was_busy("q", retry_after=3.0, now=0.0) == 3.0
+    assert health.was_busy("q", retry_after=3.0, now=3.5) == 6.0  # busy again in a row: backs off
+    assert health.was_busy("r", retry_after=1e6, now=0.0) == HINT_MAX  # a hint may not keep clients away for good
+    assert health.skipped(now=5.0) == {"p", "q", "r"} and health.skipped(now=10.0) == {"p", "r"}
+    assert health.room_at(now=0.0) == 9.5 and health.room_at(now=100.0) is None
+    assert health.was_busy("q", retry_after=2.0, now=100.0) == 2.0  # a while later, its back-off starts over
+    assert health.banned(now=1.0) == set()  # busy is no failure
 
 
 def test_observed_speed_is_a_moving_average_per_layer():

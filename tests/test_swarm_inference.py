@@ -74,7 +74,7 @@ async def _batch_logits(source, batch):
     async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
-            return await RemoteCausalLM(source, swarm).forward_logits(batch)
+            return await RemoteCausalLM(source, swarm, compression="none").forward_logits(batch)
         finally:
             await swarm.shutdown()
 

@@ -45,8 +45,9 @@ async def run_peer(args, device: str) -> None:
         max_length=args.max_length,
         compression=args.compression,
         training_memory=args.training_memory,
-        session_memory=args.session_memory,
+        cache_memory=args.cache_mib,
         client_sessions=args.sessions_per_client,
+        max_sessions=args.max_sessions,
         idle_timeout=float(args.idle_timeout),
     )
 

@@ -238,10 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
         "beyond it, backward passes recompute their forward",
     )
     peer.add_argument(
-        "--session-memory", type=mebibytes, metavar="MIB",
-        help="KV cache all sessions may reserve together (each reserves its whole max length when it opens; "
-        "one client gets at most half): default a quarter of this machine's memory, or half the GPU's free "
-        "memory, at most 16 GiB",
+        "--cache-mib", type=mebibytes, metavar="N",
+        help="MiB of KV cache all sessions may reserve together (each reserves its whole max length when it "
+        "opens; one client gets at most half); default: half of what the device has free once this peer's layers "
+        "are loaded (its free memory before loading them, less their weights; CPU: available RAM, CUDA: the "
+        "GPU's free memory)",
+    )
+    peer.add_argument(
+        "--max-sessions", type=whole_number(1), default=256, metavar="N",
+        help="sessions open here at once, all clients together; past it, new ones are told to retry",
     )
     peer.add_argument(
         "--sessions-per-client", type=whole_number(1), default=64, metavar="N",

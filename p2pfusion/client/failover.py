@@ -10,7 +10,9 @@ inputs, so the generation goes on exactly as it would have. Training sessions
 
 Before a route is used, its peers answer a ping (client/reach.py): a record pointing at a
 tarpit costs one short timeout, shared with up to SCREEN_CONCURRENCY others, not a session's.
-A busy peer is avoided for a moment, not banned; an expired session is opened again at once.
+A busy peer is skipped for as long as its retry hint says (client/health.py), not banned: the
+session takes another peer of those layers, or waits for room, saying which on stderr once. An
+expired session is opened again at once.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -43,8 +46,7 @@ AVOID_SECONDS = 30.0  # a leaving peer's record says so within a record's lifeti
 MIN_STEP_TIMEOUT = 10.0
 LONG_STEP_TIMEOUT = 120.0
 SCREEN_BUDGET = 10.0  # the most a route's search spends pinging peers before it takes what it has
-BUSY_BASE = 1.0  # a busy peer is skipped this long, twice as long each time it is busy again
-BUSY_MAX = 16.0
+NOTICE_PERIOD = 30.0  # one line about busy peers per this many seconds, however many sessions meet them
 
 
 @dataclass
@@ -63,6 +65,16 @@ class SwarmAccess:
     # verification or by enough other clients' reports (p2pfusion.client.verify)
     distrusted: set[str] = field(default_factory=set)
     reach: ReachBook = field(default_factory=ReachBook)  # peers that answered this client's pings
+    routed: Counter[str] = field(default_factory=Counter)  # peer id -> this client's sessions open through it
+    _said: dict[str, float] = field(default_factory=dict)  # notice kind -> when it was last logged
+
+    def notice(self, kind: str, text: str) -> None:
+        """A warning for the user, unless one of its kind went out lately: many sessions meeting the
+        same busy swarm say so once."""
+        now = time.monotonic()
+        if now - self._said.get(kind, -NOTICE_PERIOD) >= NOTICE_PERIOD:
+            self._said[kind] = now
+            log.warning("%s", text)
 
     def session(
         self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE,
@@ -93,8 +105,7 @@ class ResilientSession:
         self._known: dict[str, PeerRecord] = {}  # the records of the last lookup
         self._step_seconds: float | None = None
         self._reports: set[asyncio.Task] = set()
-        self._busy: dict[str, tuple[int, float]] = {}  # peer id -> (times it was busy, skipped until)
-        self._told_busy = False
+        self._busy: PeerBusy | None = None  # the last busy answer, until a route avoids its peer
         self._misbehaved: set[str] = set()  # hops that sent this session frames they may not send
         self._refused: str | None = None  # a peer's error for the pending step, while other peers retry it
 
@@ -111,12 +122,14 @@ class ResilientSession:
                 access = self.access
                 records = await model_records(access.swarm, access.model, access.name)
                 self._known = {r.peer_id: r for r in records}
-                avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | self._skipped()
+                avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | access.health.skipped()
                 route = await self._route(records, avoid, recovering)
                 self.session = await InferenceSession(
                     access.swarm.transport, route, self.max_length, access.compression, access.links, self.purpose,
                     self.batch,
                 ).open()
+                access.routed.update(r.peer_id for r in route)
+                self._routed_around()
                 await self.update_params(self.params)
                 return
             except PeerFailed as exc:
@@ -124,14 +137,17 @@ class ResilientSession:
                 self.failed(exc)
                 last, recovering = exc, True
             except RouteError as exc:
-                busy = self._busy_until()
-                if not recovering and busy is None:
+                room = access.health.room_at()
+                if not recovering and room is None:
                     raise
-                if busy is not None:  # every route needs a busy peer: wait for the first to have room
-                    delay = max(busy - time.monotonic(), RETRY_DELAY)
+                if room is not None:  # every route needs a busy peer: wait for the first to have room
+                    delay = max(room - time.monotonic(), RETRY_DELAY)
+                    why = "" if self._busy is None else f" ({self._busy})"
+                    access.notice("wait", f"every route needs a busy peer{why}; waiting for room, "
+                                          f"{delay:.0f} s at first, for up to {FAILOVER_TIMEOUT:.0f} s")
                 elif last is None or str(last) != str(exc):
                     log.warning("waiting for the swarm to recover: %s", exc)
-                last = exc
+                last = exc if room is None or self._busy is None else self._busy
             if time.monotonic() > deadline:
                 raise RouteError(f"the swarm did not recover within {FAILOVER_TIMEOUT:.0f} s: {last}")
             await asyncio.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
@@ -145,7 +161,9 @@ class ResilientSession:
         reach, observed = access.reach, access.health.observed
         deadline = time.monotonic() + SCREEN_BUDGET
         while True:
-            route = find_route(records, access.num_layers, observed, avoid, backups, self.max_length, reach.rtts)
+            route = find_route(
+                records, access.num_layers, observed, avoid, backups, self.max_length, reach.rtts, self.batch, access.routed
+            )
             unpinged = [r for r in route if not reach.fresh(r.peer_id)]
             if not unpinged or time.monotonic() > deadline:
                 return route
@@ -185,7 +203,9 @@ class ResilientSession:
         """Learn from a failure: a busy peer is skipped a moment, a hop that passed on a false claim
         is banned, and a peer that failed is banned and reported for warm backups to take over."""
         if isinstance(exc, PeerBusy):
-            self._skip_busy(exc)
+            if exc.peer_id is not None:
+                self.access.health.was_busy(exc.peer_id, exc.retry_after)
+                self._busy = exc
             return
         if isinstance(exc, SessionExpired):
             log.info("%s; opening the session again", exc)
@@ -201,23 +221,14 @@ class ResilientSession:
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    def _skip_busy(self, exc: PeerBusy) -> None:
-        if not self._told_busy:
-            log.warning("the swarm is busy (%s); trying other peers, or waiting for room, for up to %.0f s",
-                        exc, FAILOVER_TIMEOUT)
-            self._told_busy = True
-        if exc.peer_id is not None:
-            times = self._busy.get(exc.peer_id, (0, 0.0))[0] + 1
-            self._busy[exc.peer_id] = (times, time.monotonic() + min(BUSY_BASE * 2 ** (times - 1), BUSY_MAX))
-
-    def _skipped(self) -> set[str]:
-        now = time.monotonic()
-        return {peer for peer, (_, until) in self._busy.items() if until > now}
-
-    def _busy_until(self) -> float | None:
-        """When the first busy peer this session skips may have room again; None if it skips none."""
-        skipped = [until for _, until in self._busy.values() if until > time.monotonic()]
-        return min(skipped, default=None)
+    def _routed_around(self) -> None:
+        """Say once that a busy peer's layers went to another peer (not when it had room again)."""
+        busy, self._busy = self._busy, None
+        record = None if busy is None else self._known.get(busy.peer_id)
+        if record is None or busy.peer_id in {r.peer_id for r in self.session.route}:
+            return
+        instead = [r.peer_id for r in self.session.route if r.start < record.end and record.start < r.end]
+        self.access.notice("around", f"{busy}; layers {record.start}:{record.end} go to {', '.join(instead)} instead")
 
     def _timeout(self, tokens: int) -> float:
         if tokens > 1 or self._step_seconds is None:
@@ -266,7 +277,7 @@ class ResilientSession:
         if self._refused is not None:
             return False
         records, access = list(self._known.values()), self.access
-        avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | self._skipped()
+        avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | access.health.skipped()
         others = set()
         for record in self.session.route:  # every hop that has a stand-in
             try:
@@ -327,6 +338,7 @@ class ResilientSession:
     async def drop(self) -> None:
         if self.session is not None:
             self._settle_strays()
+            self.access.routed -= Counter(r.peer_id for r in self.session.route)
             await self.session.close()
         self.session = None
 

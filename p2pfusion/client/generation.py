@@ -6,10 +6,11 @@ tokens its peers hold, so a chat's later turns send only their new tokens.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer
@@ -17,7 +18,8 @@ from transformers import AutoTokenizer
 from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.catalog import model_records
 from p2pfusion.client.failover import ResilientSession, SwarmAccess
-from p2pfusion.client.head import ScreenedHead, screened_head
+from p2pfusion.client.head import screened_head
+from p2pfusion.client.head_batch import HeadBatcher
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.routing import find_route, session_limit
 from p2pfusion.client.session import InferenceSession
@@ -69,6 +71,13 @@ class Generated:
     decode_seconds: float
     recoveries: int = 0  # times the session moved around a failed peer
     rewinds: int = 0  # times verification caught wrong results and the generation went back
+    token_times: list[float] = field(default_factory=list)  # seconds from the call's start to each token
+
+    @property
+    def latencies(self) -> list[float]:
+        """Each token's own wait: the first token's from the call's start (prefill included), each
+        later one's from the token before it."""
+        return [t - previous for previous, t in zip([0.0, *self.token_times], self.token_times)]
 
 
 def choose_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
@@ -103,8 +112,9 @@ class RemoteCausalLM:
         self._tokenizer = None
         self._swarm_access: SwarmAccess | None = None
         self._trust: Trust | None = None
-        # greedy tokens through a float16 screen of the head (client/head.py); False: not built yet
-        self._screen: ScreenedHead | None | bool = False if screen_head else None
+        self._reads: dict[str, asyncio.Task] = {}  # swarm reads in flight, shared by sessions opening together
+        # greedy tokens through bounds on the head's logits (client/head.py); False: not built yet
+        self._heads: HeadBatcher | None | bool = False if screen_head else None
 
     @property
     def tokenizer(self):
@@ -124,7 +134,16 @@ class RemoteCausalLM:
             raise RequestError(f"prompt too long: {len(input_ids)} tokens, the model accepts {limit}")
 
     async def length_limit(self) -> int:
-        return await length_limit(self._access(), self.max_positions())
+        return await self._shared("limit", lambda: length_limit(self._access(), self.max_positions()))
+
+    async def _shared(self, kind: str, read: Callable[[], Awaitable]):
+        """`read()`, or the answer of the one of its kind in flight: a burst of sessions costs the
+        DHT one read, and sessions opening beside the first fault reports' read wait for it (Trust
+        marks a read done when it starts it) rather than route through peers it would distrust."""
+        task = self._reads.get(kind)
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            task = self._reads[kind] = asyncio.ensure_future(read())
+        return await asyncio.shield(task)
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Tokenize and validate a prompt (before any network traffic, so bad input fails fast)."""
@@ -162,10 +181,12 @@ class RemoteCausalLM:
             self._trust = Trust(self._swarm_access)
         return self._swarm_access
 
-    async def open_session(self, max_length: int) -> ResilientSession:
-        params = None if self.adapter is None else self.adapter.remote_parameters()
+    async def open_session(self, max_length: int, adapter: Adapter | None = None) -> ResilientSession:
+        """A session with `adapter` (None: the model's own, `self.adapter`)."""
+        adapter = self.adapter if adapter is None else adapter
+        params = None if adapter is None else adapter.remote_parameters()
         access = self._access()
-        await self._trust.refresh()  # other clients' fault reports, before routing
+        await self._shared("trust", self._trust.refresh)  # other clients' fault reports, before routing
         return await access.session(max_length, params).open()
 
     def verifier(self, session: ResilientSession) -> Verifier | None:
@@ -212,19 +233,23 @@ class RemoteCausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(inputs_embeds=hidden).logits
 
-    @torch.inference_mode()
-    def next_token(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-        """The token after the last position of `hidden` [1, tokens, hidden]; greedy choices go
-        through the float16 screen (client/head.py), which gives the float32 head's own token."""
+    async def next_token(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+        """The token after the last position of `hidden` [1, tokens, hidden]. Greedy choices of
+        sessions asking at the same moment are made together (client/head_batch.py), through
+        bounds that give the float32 head's own token (client/head.py)."""
         if temperature <= 0:
-            if self._screen is False:
-                self._screen = screened_head(self.head)
-            if self._screen is not None:
-                normed = self.head.base_model(inputs_embeds=hidden[:, -1:]).last_hidden_state
-                token = self._screen.next_token(normed[0, -1])
-                if token is not None:
-                    return token
+            if self._heads is False:
+                screen = screened_head(self.head)
+                self._heads = None if screen is None else HeadBatcher(screen, self._normed, self._exact_token)
+            if self._heads is not None:
+                return await self._heads.next_token(hidden[:, -1:])
         return choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator)
+
+    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.base_model(inputs_embeds=hidden).last_hidden_state
+
+    def _exact_token(self, last: torch.Tensor) -> int:
+        return choose_token(self.logits(last)[0, -1], 0.0, None)
 
     @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
@@ -239,10 +264,13 @@ class RemoteCausalLM:
         on_token: Callable[[int], None] | None = None,
         stop_at_eos: bool = True,
         decode: bool = True,
+        adapter: Adapter | None = None,
     ) -> Generated:
-        """One generation in a session of its own."""
+        """One generation in a session of its own, with `adapter` (None: the model's own). Many may
+        run at once on one event loop: they share the swarm node, the head and what is known of
+        peers, and each has its own session, generator and adapter."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        conversation = Conversation(self, keep=False)
+        conversation = Conversation(self, keep=False, adapter=adapter)
         try:
             return await conversation.generate(
                 input_ids, max_new_tokens, temperature, generator, on_token, stop_at_eos, decode=decode
@@ -256,8 +284,10 @@ class Conversation:
     and each call sends only the tokens after those. It owns the session (a ResilientSession, which
     replays them on failover) and the list of those tokens."""
 
-    def __init__(self, model: RemoteCausalLM, keep: bool = True):
+    def __init__(self, model: RemoteCausalLM, keep: bool = True, adapter: Adapter | None = None):
         self.model = model
+        self._adapter = adapter  # None: the model's own, whatever it is when a call starts
+        self._opened_with: Adapter | None = None  # the adapter of the open session
         # True: open sessions as long as the swarm accepts, for the calls to come; False: as long
         # as this call needs, so that peers accepting less may serve it
         self.keep = keep
@@ -290,18 +320,21 @@ class Conversation:
         `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
         leaves the session ready for the next call. With verification on, `on_token` gets tokens
         once the results they came from are checked (see client/verifier.py)."""
+        started = time.perf_counter()
         model = self.model
         if not input_ids:
             raise RequestError("the prompt is empty")
-        new = None if self.session is None else self._unsent(input_ids)
+        adapter = model.adapter if self._adapter is None else self._adapter
+        new = None if self.session is None or adapter is not self._opened_with else self._unsent(input_ids)
         if new is None:
             await self.close()
-        soft = None if model.adapter is None else model.adapter.soft_prompt
+        soft = None if adapter is None else adapter.soft_prompt
         reserved = 0 if soft is None else soft.shape[0]  # positions the soft prompt takes
         limit = self.limit if self.session is not None else await model.length_limit() - reserved
         total = len(input_ids) + new_tokens_within(len(input_ids), max_new_tokens, limit)
         if self.session is None:
-            self.session = await model.open_session((limit if self.keep else total) + reserved)
+            self.session = await model.open_session((limit if self.keep else total) + reserved, adapter)
+            self._opened_with = adapter
             self.verifier = model.verifier(self.session)
             self.limit, new = limit, input_ids
             route = self.session.session.route
@@ -309,6 +342,7 @@ class Conversation:
         eos = model.config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         out: list[int] = []
+        times: list[float] = []  # beside `out`: when each token was chosen
         shown = rewinds = 0
         try:
             t0 = time.perf_counter()
@@ -319,8 +353,9 @@ class Conversation:
             self.tokens += new
             t1 = time.perf_counter()
             while True:
-                token = model.next_token(hidden, temperature, generator)
+                token = await model.next_token(hidden, temperature, generator)
                 out.append(token)
+                times.append(time.perf_counter() - started)
                 done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
                 wrong = await self._check(done)
                 if wrong is None:
@@ -333,6 +368,7 @@ class Conversation:
                     if rewinds > MAX_REWINDS:
                         raise RouteError(f"results failed verification {rewinds} times in one generation")
                     hidden = await self._rewind(wrong, input_ids, out, reserved, soft)
+                    del times[len(out):]
                     continue
                 if done:
                     break
@@ -343,7 +379,7 @@ class Conversation:
             await self.close()  # a step may be half done: the peers' caches are no longer known
             raise
         text = model.tokenizer.decode(out, skip_special_tokens=True) if decode else ""
-        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds)
+        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds, times)
 
     async def _check(self, final: bool) -> int | None:
         """The first wrong position found (None: none, or verification is off); at random, or

@@ -85,6 +85,24 @@ class ScreenedHead:
         return int(first)
 
 
+    def next_tokens(self, x: torch.Tensor) -> list[int | None]:
+        """argmax(weight @ x_i) for each float32 row of x [rows, hidden] (None where only the full
+        head can tell). Many rows go as one float32 matrix product, which on a CPU costs less
+        than screening them one by one (docs/benchmarks.md), and whose top two logits are kept
+        only when no float32 summation order could swap them."""
+        with _one_thread():
+            logits = nn.functional.linear(x, self.weight)
+        top = torch.topk(logits, 2, dim=1)
+        g = summation_error(x.shape[-1])
+        tokens: list[int | None] = []
+        for row, (values, indices) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
+            x_norm = float(x[row].double().norm())
+            tie = 2 * g * x_norm * float(torch.maximum(self.norms[indices[0]], self.norms[indices[1]])) * SAFETY
+            sure = math.isfinite(values[0]) and math.isfinite(values[1]) and values[0] - values[1] > tie
+            tokens.append(indices[0] if sure else None)
+        return tokens
+
+
 @contextmanager
 def _one_thread() -> Iterator[None]:
     """The client idles while the swarm computes; after that, a second OpenMP thread took 6-10 ms

@@ -1,5 +1,6 @@
-"""What a client has learned about peers: who failed it (banned, with growing back-off), and how
-fast each peer really was for it (an exponential moving average of observed speed).
+"""What a client has learned about peers: who failed it (banned, with growing back-off), who had
+no room for it (skipped a while, as the peer's retry hint says), and how fast each peer really was
+for it (an exponential moving average of observed speed).
 
 Observed speed is kept per layer (layer-tokens/s), so it compares across spans, and it is saved
 in the cache folder, so later runs and `p2pfusion swarm` start from what this machine saw. It
@@ -28,6 +29,9 @@ BAN_MAX = 600.0
 MAX_BANS = 10_000
 EMA_WEIGHT = 0.2  # share of a new observation in the average
 MAX_OBSERVED = 1000  # peers whose speed is kept: records are cheap to make, memory and disk are not
+BUSY_BASE = 1.0  # a busy peer that gave no hint is skipped this long, twice as long each time in a row
+BUSY_MAX = 16.0
+HINT_MAX = 60.0  # a peer's hint is taken up to this long: it may not keep clients away for good
 
 
 @dataclass
@@ -38,9 +42,40 @@ class Ban:
 
 
 @dataclass
+class Busy:
+    times: int  # busy answers in a row
+    until: float
+
+
+@dataclass
 class PeerHealth:
     bans: dict[str, Ban] = field(default_factory=dict)
     observed: dict[str, float] = field(default_factory=dict)
+    busy: dict[str, Busy] = field(default_factory=dict)
+
+    def was_busy(self, peer_id: str, retry_after: float | None = None, now: float | None = None) -> float:
+        """Skip a peer that had no room: for its own `retry_after` (BUSY_BASE without one), twice
+        as long each time it is busy again in a row, at most BUSY_MAX (or its hint, up to
+        HINT_MAX). Returns the seconds it is skipped. Not a ban: every session of this client
+        skips it, and tries it again after that."""
+        now = time.monotonic() if now is None else now
+        last = self.busy.get(peer_id)
+        times = last.times + 1 if last is not None and last.until > now - BUSY_MAX else 1
+        base = BUSY_BASE if retry_after is None else min(retry_after, HINT_MAX)
+        seconds = min(base * 2 ** min(times - 1, 8), max(base, BUSY_MAX))
+        if len(self.busy) >= MAX_BANS:
+            self.busy = {p: b for p, b in self.busy.items() if b.until > now}
+        self.busy[peer_id] = Busy(times, now + seconds)
+        return seconds
+
+    def skipped(self, now: float | None = None) -> set[str]:
+        now = time.monotonic() if now is None else now
+        return {peer for peer, busy in self.busy.items() if busy.until > now}
+
+    def room_at(self, now: float | None = None) -> float | None:
+        """When the first skipped peer may have room again; None if none is skipped."""
+        now = time.monotonic() if now is None else now
+        return min((b.until for b in self.busy.values() if b.until > now), default=None)
 
     def failed(self, peer_id: str, since: float = 0.0, now: float | None = None) -> float:
         """Ban a peer that failed us: 5 s, then twice as long each time it fails again. Returns the ban.

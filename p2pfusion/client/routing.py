@@ -1,6 +1,7 @@
 """Pick a chain of peers that covers every layer: a pure function of the DHT's records and of
-what this client has seen itself (peers' observed speeds and ping times, peers it has banned).
-Nothing a peer reports about another peer's speed is used."""
+what this client has seen itself (peers' observed speeds and ping times, peers it has banned, the
+sessions it has open through each). Nothing a peer reports about another peer's speed is used;
+what a peer says of its own load only steers sessions away from it."""
 
 from __future__ import annotations
 
@@ -57,6 +58,34 @@ def expected_throughput(record: PeerRecord, observed: Mapping[str, float], best:
     return min(record.throughput, span_throughput(rate, None, record.span))
 
 
+FULL_SECONDS = 1.0  # per token, at a peer without cache room for the session: a last resort
+NEAR_FULL = 0.75  # of a peer's cache budget reserved: past it, the peer costs more as it fills
+NEAR_FULL_SECONDS = 0.05  # per token, at a peer that the session would fill to its budget
+MAX_BATCH_GAIN = 64.0  # a token in a batch costs at least 1/64 of a step alone, whatever a record claims
+
+
+def load_seconds(record: PeerRecord, step: float, tokens: int = 0, own: int = 0) -> float:
+    """Seconds per token a session expects to lose at a peer to what the peer holds already.
+
+    `step` is the seconds a token takes through the peer alone, `tokens` the KV positions the
+    session reserves (batch x max_length), `own` the sessions this client has open through the
+    peer (its record may not count them yet). Each step already queued comes first; each open
+    session shares the peer's batched forward (`batch_rate`; a peer announcing none runs steps
+    one by one); and a peer filling its KV cache budget refuses sessions soon: it costs more past
+    NEAR_FULL of it, and FULL_SECONDS when the session does not fit.
+    """
+    sessions = max(record.sessions, own)
+    batched = record.span / record.batch_rate if record.batch_rate > 0 else step
+    share = sessions * max(batched, step / MAX_BATCH_GAIN)
+    seconds = record.queued * step + share
+    if record.cache_total <= 0:
+        return seconds
+    filled = (record.cache_used + tokens * record.token_bytes) / record.cache_total
+    if filled > 1:
+        return seconds + FULL_SECONDS
+    return seconds + NEAR_FULL_SECONDS * max(filled - NEAR_FULL, 0.0) / (1 - NEAR_FULL)
+
+
 def find_route(
     records: list[PeerRecord],
     num_layers: int,
@@ -65,13 +94,17 @@ def find_route(
     backups: bool = False,
     length: int = 0,
     rtts: Mapping[str, float] | None = None,
+    batch: int = 1,
+    own: Mapping[str, int] | None = None,
 ) -> list[PeerRecord]:
     """The chain of peers with the least expected time per token, online peers before backups.
 
     A token's time through a route is the sum of its hops' times: each hop's 1/throughput (as
-    `expected_throughput` sees it) plus its network round, the client's own ping time to it
-    (`rtts`) or HOP_SECONDS. A hop starts at the exact layer where the previous one ended, since
-    a peer's cache holds its whole range.
+    `expected_throughput` sees it), the time its load costs (`load_seconds`, for a session of
+    `batch` x `length` positions, with `own` the sessions this client holds through each peer),
+    plus its network round, the client's own ping time to it (`rtts`) or HOP_SECONDS. A hop
+    starts at the exact layer where the previous one ended, since a peer's cache holds its whole
+    range.
     """
     candidates = [r for r in usable(records, banned, backups, length) if r.end <= num_layers]
     gaps = missing_layers(candidates, num_layers)
@@ -79,7 +112,7 @@ def find_route(
         if length and not missing_layers(usable(records, banned, backups), num_layers):
             raise RouteError(f"no peer accepting sessions of {length} tokens serves layers {format_ranges(gaps)}")
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model")
-    observed, rtts = observed or {}, rtts or {}
+    observed, rtts, own = observed or {}, rtts or {}, own or {}
     best_rate = max(observed.values(), default=None)
     # best[layer] = (backups, seconds per token, route) of the best route from `layer` to the end
     best: dict[int, tuple[int, float, list[PeerRecord]]] = {num_layers: (0, 0.0, [])}
@@ -88,7 +121,8 @@ def find_route(
             if r.start != layer or r.end not in best:
                 continue
             spares, seconds, rest = best[r.end]
-            hop = rtts.get(r.peer_id, HOP_SECONDS) + 1.0 / max(expected_throughput(r, observed, best_rate), 1e-9)
+            step = 1.0 / max(expected_throughput(r, observed, best_rate), 1e-9)
+            hop = rtts.get(r.peer_id, HOP_SECONDS) + step + load_seconds(r, step, batch * length, own.get(r.peer_id, 0))
             candidate = (spares + (r.state == PeerState.BACKUP), seconds + hop, [r] + rest)
             if layer not in best or candidate[:2] < best[layer][:2]:
                 best[layer] = candidate

@@ -31,6 +31,14 @@ def span_throughput(compute_rate: float, network_rate: float | None, span: int) 
 
 
 MAX_DATA_ADDRS = 8
+LOAD_FIELDS = ("sessions", "queued", "cache_used", "cache_total", "token_bytes")
+MAX_COUNT = 1 << 53  # any load figure past it is no figure a peer could hold (and not exact as a float)
+
+
+def _count(raw: Any) -> int:
+    if type(raw) is not int or not 0 <= raw <= MAX_COUNT:
+        raise ValueError(f"not a count: {raw!r}")
+    return raw
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,12 @@ class PeerRecord:
     # the peer's own clock when it entered this state and range: a client that avoided the peer
     # takes it back once a newer record says it serves again (compared only with the same peer's)
     since: float = 0.0
+    # what it holds now, so clients spread sessions over equivalent peers (client/routing.py)
+    sessions: int = 0  # sessions open
+    queued: int = 0  # steps waiting for its compute thread
+    cache_used: int = 0  # bytes of KV cache its sessions reserve
+    cache_total: int = 0  # bytes of KV cache it gives sessions (0: not announced)
+    token_bytes: int = 0  # bytes of KV cache one token reserves through its layers (0: not announced)
 
     @property
     def span(self) -> int:
@@ -97,8 +111,11 @@ class PeerRecord:
                 data_addrs=[str(a) for a in value.get("data_addrs", [])][:MAX_DATA_ADDRS],
                 max_length=int(value.get("max_length", 2048)),
                 since=float(value.get("since", 0.0)),
+                **{name: _count(value.get(name, 0)) for name in LOAD_FIELDS},
             )
         except (KeyError, TypeError, ValueError, IndexError):
+            return None
+        if record.cache_used > record.cache_total:
             return None
         optional = [x for x in (record.network_rate, record.rtt) if x is not None]
         rates = [record.compute_rate, record.load, record.batch_rate, record.since, *optional]

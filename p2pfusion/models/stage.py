@@ -32,6 +32,7 @@ from transformers.initialization import no_init_weights
 from p2pfusion.errors import ModelError
 from p2pfusion.models.adapters import StageAdapter, applied
 from p2pfusion.models.fingerprint import weight_files
+from p2pfusion.models.kv_cache import SessionCache, batchable, batched_step
 from p2pfusion.models.source import ModelSource
 
 LAYER_PREFIX = "model.layers."
@@ -87,8 +88,11 @@ class Stage:
     dtype: torch.dtype
     hidden_size: int
     device: torch.device = torch.device("cpu")
+    batchable: bool = False  # sessions' steps may run as one batch (models.kv_cache)
 
-    def new_cache(self) -> DynamicCache:
+    def new_cache(self) -> SessionCache | DynamicCache:
+        if self.batchable:
+            return SessionCache(self.end - self.start)
         return DynamicCache(config=self.module.config)
 
     def _run(self, hidden, offset, cache, attention_mask, position_ids, adapter) -> torch.Tensor:
@@ -118,6 +122,28 @@ class Stage:
         `attention_mask` [batch, offset + tokens] marks padding (None: none); `position_ids`
         [batch, tokens] default to the sequence positions; `adapter` is the session's own."""
         return self._run(hidden, offset, cache, attention_mask, position_ids, adapter).cpu()
+
+    @torch.inference_mode()
+    def forward_batch(
+        self,
+        hidden: list[torch.Tensor],
+        caches: list[SessionCache],
+        masks: list[torch.Tensor | None],
+        positions: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """Steps of several sessions (the same number of tokens each, each after its own cache) as
+        one forward; each session's output, as `forward` would give it alone (within float
+        rounding: the padded batch sums in another order)."""
+        rows = [h.shape[0] for h in hidden]
+        step = batched_step(caches, rows, hidden[0].shape[1], masks, positions)
+        out = self.module(
+            inputs_embeds=torch.cat(hidden).to(self.device),
+            attention_mask=step.attention_mask.to(self.device),
+            position_ids=step.position_ids.to(self.device),
+            past_key_values=step.cache,
+            use_cache=True,
+        ).last_hidden_state.cpu()
+        return list(out.split(rows))
 
     def forward_for_backward(
         self,
@@ -200,7 +226,7 @@ def load_stage(
 
     _materialize(module, _read_weights(source.folder, rename), dtype, f"layers {start}:{end}")
     module.to(device)
-    return Stage(start, end, module, dtype, config.hidden_size, torch.device(device))
+    return Stage(start, end, module, dtype, config.hidden_size, torch.device(device), batchable(sliced))
 
 
 def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:

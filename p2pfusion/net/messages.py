@@ -19,8 +19,9 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
 8. `Ping` on a fresh stream asks a peer whether it serves: `Ack`, or an `Error` naming itself
    when it is leaving. A client confirms with it what one peer says about another.
 Each hop adds its own compute time to a step's `timings`, for logs; routing never trusts them.
-An `Error` may carry a `code`: "busy" (no room now: try another peer, or later) or "expired"
-(the session sat idle and was closed: open it again). Neither is a fault of the peer.
+An `Error` may carry a `code`: "busy" (no room now: try another peer, or this one after its
+`retry_after` seconds) or "expired" (the session sat idle and was closed: open it again). Neither
+is a fault of the peer.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class Open:
     link: LinkSpeed | None = None  # between the sender of this Open and its receiver (for gradients)
     client_link: LinkSpeed | None = None  # between the client and the last hop (for results)
     batch: int = 1  # the most sequences a step may carry: the peer reserves batch x max_length of KV
+    # set by a hop relaying the session: the client it came from, so the next hops share compute
+    # fairly among the clients within that hop's own share (a claim, which divides only its share)
+    client: str | None = None
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,7 @@ class Error:
     step: int = -1
     failed_peer: str | None = None
     code: str | None = None  # BUSY or EXPIRED: not a fault, see the module's docstring
+    retry_after: float | None = None  # with BUSY: seconds until the peer expects room, at most MAX_RETRY_AFTER
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,7 @@ def from_header(header: dict[str, Any]) -> Any:
             link=_link(header.get("link"), "link"),
             client_link=_link(header.get("client_link"), "client_link"),
             batch=_typed(header.get("batch", 1), int, "batch"),
+            client=None if header.get("client") is None else _short(header.get("client"), "client"),
         )
     if cls is Subscribe:
         return Subscribe(session_id=_short(header.get("session_id"), "session_id"))
@@ -250,6 +256,7 @@ def from_header(header: dict[str, Any]) -> Any:
             step=_typed(header.get("step", -1), int, "step"),
             failed_peer=None if failed is None else _short(failed, "failed_peer"),
             code=code if code in ERROR_CODES else None,
+            retry_after=_retry_after(header.get("retry_after")),
         )
     if cls is Leaving:
         return Leaving(peer_id=_short(header.get("peer_id"), "peer_id"))
@@ -280,7 +287,7 @@ def raise_for_error(reply: Any) -> None:
     failed peer (route around it), else PeerRefused."""
     if isinstance(reply, Error):
         if reply.code == BUSY:
-            raise PeerBusy(reply.message, reply.failed_peer)
+            raise PeerBusy(reply.message, reply.failed_peer, reply.retry_after)
         if reply.code == EXPIRED:
             raise SessionExpired(reply.message, reply.failed_peer)
         if reply.failed_peer is not None:
@@ -298,6 +305,18 @@ def _non_negative(raw: Any, name: str) -> float:
     if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not 0 <= raw < float("inf"):
         raise RequestError(f"field {name!r} must be a finite number >= 0")
     return float(raw)
+
+
+MAX_RETRY_AFTER = 600.0  # seconds; a longer wait is no hint a client can act on
+
+
+def _retry_after(raw: Any) -> float | None:
+    if raw is None:
+        return None
+    seconds = _non_negative(raw, "retry_after")
+    if seconds > MAX_RETRY_AFTER:
+        raise RequestError(f"field 'retry_after' must be at most {MAX_RETRY_AFTER:g} s")
+    return seconds
 
 
 def _link(raw: Any, name: str) -> LinkSpeed | None:

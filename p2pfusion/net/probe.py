@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 import torch
 
 from p2pfusion.errors import RequestError
+from p2pfusion.net.clients import Source
 from p2pfusion.net.compression import LinkSpeed
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
 from p2pfusion.net.transport import Transport
@@ -24,7 +25,7 @@ PROBE_LIMITS = FrameLimits(header=4 << 10, body=MAX_ECHO_BYTES, decoded=MAX_ECHO
 PROBE_IDLE = 10.0  # a probe's frames come back to back; a stream quiet this long is dropped
 
 
-async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str) -> None:
+async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: Source) -> None:
     """Answer each frame with itself, until the stream ends; one-way streams ask for no answer.
     A probe that sends garbage, too much or nothing just loses its stream."""
     try:

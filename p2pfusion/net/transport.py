@@ -25,14 +25,14 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 
 from p2pfusion.errors import RouteError
+from p2pfusion.net.clients import ClientKey, Source, client_of
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, client_context, verify_peer
 
 log = logging.getLogger(__name__)
 
-# (reader, writer, source): source is "ip:<IPv4 address>", "ip:<IPv6 /64 network>" for direct
-# connections, "peer:<base58 peer id>" for libp2p streams
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, str], Awaitable[None]]
+# (reader, writer, source): who sent the stream (net.clients.Source)
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Source], Awaitable[None]]
 Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 JOIN_TIMEOUT = 20.0
@@ -41,7 +41,9 @@ DIRECT_RETRY = 60.0  # after a failed direct dial, use libp2p to that peer for t
 MAX_DIALED = 3  # addresses of one peer dialed (at once) before falling back to libp2p
 HELLO_TIMEOUT = DIRECT_TIMEOUT  # for the TLS handshake and the hello together, as a dialer allows
 HELLO_LIMITS = FrameLimits(header=1 << 10, body=0)
-MAX_PER_SOURCE = 64  # streams one source holds open at once (each session holds one or two)
+# streams one source holds open at once: a client's 64 sessions (the peer's default share per
+# client) hold up to two each (the session's, and at its last hop its results), plus pings
+MAX_PER_SOURCE = 160
 MAX_CONNECTIONS = 4096  # streams held open at once in all, unless the fd limit calls for fewer
 FD_RESERVE = 256  # descriptors kept for everything else: model files, the DHT, the daemon's socket
 REFUSAL_LOG_INTERVAL = 10.0
@@ -123,6 +125,7 @@ class Transport:
         self._server_tls: ssl.SSLContext | None = None
         self._serving: set[asyncio.Task] = set()  # the accept loop and direct connections (tasks are weakly held)
         self._client_tls = client_context()
+        self.client_key = ClientKey()  # signs our hellos, so peers tell this node's streams from others' at its address
         self._direct_failed: dict[str, float] = {}
         self.caps = ConnectionCaps()
         self._refused = 0  # connections refused since the last log line about them
@@ -223,7 +226,7 @@ class Transport:
                 self._log_refusal(source)
                 return
             try:
-                await handler(reader, writer, source)
+                await handler(reader, writer, Source(source))
             finally:
                 self.caps.release(source)
 
@@ -271,14 +274,14 @@ class Transport:
         try:
             stream = await self._hello(conn)
             if stream is not None:
-                handler, reader, writer = stream
-                await handler(reader, writer, source)
+                handler, client, reader, writer = stream
+                await handler(reader, writer, Source(source, client))
         finally:
             self.caps.release(source)
 
-    async def _hello(self, conn: socket.socket) -> tuple[Handler, asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """The handshake and hello within HELLO_TIMEOUT, and the handler the hello names; None
-        (the connection closed) when any of them fails."""
+    async def _hello(self, conn: socket.socket) -> tuple[Handler, str | None, asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The handshake and hello within HELLO_TIMEOUT, the handler the hello names and the client
+        it proves; None (the connection closed) when any of them fails."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=STREAM_LIMIT)
         protocol = asyncio.StreamReaderProtocol(reader)
@@ -297,16 +300,17 @@ class Transport:
             header = await asyncio.wait_for(handshake_and_hello(), HELLO_TIMEOUT)
             name = header.get("protocol")
             handler = self._handlers.get(name) if isinstance(name, str) else None
+            client = client_of(header.get("client"), self.peer_id)
             if handler is None:
                 await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {str(name)[:60]!r}"})
-        except (TimeoutError, EOFError, FrameError, OSError) as exc:  # OSError: TLS and socket errors
+        except (TimeoutError, EOFError, FrameError, OSError, RouteError) as exc:  # OSError: TLS and socket errors
             log.debug("dropped a direct connection before its hello: %r", exc)
             handler = None
         if handler is None:
             if writer is not None:
                 writer.close()
             return None
-        return handler, reader, writer
+        return handler, client, reader, writer
 
     async def open(self, peer_id: str, data_addrs: list[str], protocol: str, timeout: float = 15.0) -> Stream:
         """A stream to `protocol` on `peer_id`: direct when one of its first MAX_DIALED addresses
@@ -353,7 +357,7 @@ class Transport:
         except BaseException:
             writer.close()
             raise
-        writer.writelines(encode({"protocol": protocol}))
+        writer.writelines(encode({"protocol": protocol, "client": self.client_key.proof(peer_id)}))
         return reader, writer
 
     async def shutdown(self) -> None:

@@ -1,45 +1,86 @@
-"""A stage's steps on its compute thread: forwards (prefills in chunks), backward passes, and the
-memory training sessions keep between them."""
+"""A stage's steps on its compute thread: decode steps batched across sessions, prefills in
+chunks, backward passes, and the memory training sessions keep between them."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
-from p2pfusion.peer.scheduler import Scheduler, chunks
+from p2pfusion.peer.scheduler import Scheduler, Stats
 from p2pfusion.peer.session import Session, StepInputs
 
 SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
-PREFILL_CHUNK = 256  # positions per chunk of a prefill: a decoding step waits for at most one
+PREFILL_CHUNK = 256  # positions per chunk of a prefill when no other session waits on this peer
+SHARED_CHUNK_SECONDS = 0.05  # a chunk's compute while other sessions are open: what a decode step may wait
+MIN_CHUNK = 8
+FIRST_SHARED_CHUNK = 32  # before this peer has timed a prefill
 
 
 class StageCompute:
-    def __init__(self, decode_threads: int | None, training_memory: int, prefill_chunk: int = PREFILL_CHUNK):
+    def __init__(
+        self,
+        decode_threads: int | None,
+        training_memory: int,
+        prefill_chunk: int = PREFILL_CHUNK,
+        shared: Callable[[], bool] = lambda: False,
+    ):
         self.scheduler = Scheduler()
         self._all_threads = torch.get_num_threads()
         self._decode_threads = decode_threads or self._all_threads
         self.prefill_chunk = prefill_chunk
+        self._shared = shared  # whether other sessions are open here, whose steps a long chunk would hold up
+        self._row_seconds: float | None = None  # a prefill position's compute, lately
         # activations kept between training steps' forward and backward passes, across sessions;
         # beyond this, a backward pass computes its forward again instead
         self.training_memory = training_memory
         self.graph_bytes = 0
 
+    @property
+    def stats(self) -> Stats:
+        return self.scheduler.stats
+
     async def forward(self, session: Session, inputs: StepInputs) -> tuple[torch.Tensor, float]:
-        """A step's output and its seconds (queueing included). Chunks of one step run in order,
-        but other sessions' steps may run between them; the KV cache makes the result the same."""
+        """A step's output and its seconds (queueing included). A decode step runs batched with the
+        other sessions' that are ready at the same time. Chunks of one step run in order, but other
+        sessions' steps may run between them; the KV cache makes the result the same."""
         t0 = time.perf_counter()
         batch, tokens = inputs.hidden.shape[:2]
         if session.training:
             out = await self._run(session, batch * tokens, self._train_forward, session, inputs)
+        elif self._batchable(session, inputs):
+            out = await self.scheduler.run_batched(
+                session.client, batch, id(session.stage), self._infer_batch, (session, inputs),
+                inline=batch <= SMALL_STEP_ROWS and not self._shared(),
+            )
         else:
-            outs = [
-                await self._run(session, batch * (b - a), self._infer, session, inputs, a, b)
-                for a, b in chunks(tokens, batch, self.prefill_chunk)
-            ]
+            outs, a = [], 0
+            while a < tokens:
+                b = min(tokens, a + max(1, self._chunk_rows() // batch))
+                outs.append(await self._run(session, batch * (b - a), self._infer, session, inputs, a, b))
+                a = b
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        session.compute_seconds = time.perf_counter() - t0
-        return out, session.compute_seconds
+        return out, time.perf_counter() - t0
+
+    @staticmethod
+    def _batchable(session: Session, inputs: StepInputs) -> bool:
+        """A one-token step of a session that has a cache to batch with, and no adapter (an adapter
+        hooks the shared module for its own step; such sessions run alone)."""
+        cache = session.cache
+        return (
+            session.stage.batchable and inputs.adapter is None and inputs.hidden.shape[1] == 1
+            and cache.length > 0 and cache.rows == inputs.hidden.shape[0]
+        )
+
+    def _chunk_rows(self) -> int:
+        """Positions in the next prefill chunk: all the usual ones when no other session is open
+        here; else as many as run in SHARED_CHUNK_SECONDS, so the others' steps are not held up."""
+        if not self._shared():
+            return self.prefill_chunk
+        if self._row_seconds is None:
+            return FIRST_SHARED_CHUNK
+        return max(MIN_CHUNK, min(self.prefill_chunk, int(SHARED_CHUNK_SECONDS / self._row_seconds)))
 
     async def backward(self, session: Session, inputs: StepInputs, grad: torch.Tensor):
         t0 = time.perf_counter()
@@ -48,20 +89,21 @@ class StageCompute:
             result = await self._run(session, rows, self._backward, session, inputs, grad)
         finally:
             self.release_graph(inputs)
-        session.compute_seconds = time.perf_counter() - t0
-        return result, session.compute_seconds
+        return result, time.perf_counter() - t0
 
     async def _run(self, session: Session, rows: int, fn, *args):
         if self._runs_inline(session, rows):
             return fn(*args)
-        return await self.scheduler.run(session.source, rows, fn, *args)
+        return await self.scheduler.run(session.client, rows, fn, *args)
 
     def _runs_inline(self, session: Session, rows: int) -> bool:
         """A decoding step of a token or two runs on the event loop's own thread: handing it to the
         compute thread and back wakes two threads, which cost 0.3-0.7 ms of a 12 ms step here
         (docs/benchmarks.md). Only while the compute thread is idle, because steps must not
-        interleave: an adapter hooks the shared module for the length of its step."""
-        return not session.training and self.scheduler.idle and rows <= SMALL_STEP_ROWS
+        interleave (an adapter hooks the shared module for the length of its step), and only
+        while no other session is open: the loop must stay free to queue their steps, which then
+        run as one batch."""
+        return not session.training and self.scheduler.idle and rows <= SMALL_STEP_ROWS and not self._shared()
 
     def _threads_for(self, rows: int) -> None:
         """Runs just before each step; steps never overlap, so torch's process-wide setting is theirs."""
@@ -81,11 +123,31 @@ class StageCompute:
 
     def _infer(self, session: Session, inputs: StepInputs, a: int, b: int) -> torch.Tensor:
         """Tokens [a, b) of an inference step, after the session's cache and the step's tokens before a."""
-        self._threads_for(inputs.hidden.shape[0] * (b - a))
+        rows = inputs.hidden.shape[0] * (b - a)
+        self._threads_for(rows)
         offset = session.length + a
         mask = None if inputs.mask is None else inputs.mask[:, :session.length + b]
         positions = None if inputs.positions is None else inputs.positions[:, a:b]
-        return session.stage.forward(inputs.hidden[:, a:b], offset, session.cache, mask, positions, inputs.adapter)
+        started = time.perf_counter()
+        out = session.stage.forward(inputs.hidden[:, a:b], offset, session.cache, mask, positions, inputs.adapter)
+        if rows > SMALL_STEP_ROWS:  # a prefill's pace, which sizes the chunks of the next ones
+            pace = (time.perf_counter() - started) / rows
+            self._row_seconds = pace if self._row_seconds is None else 0.7 * self._row_seconds + 0.3 * pace
+        return out
+
+    def _infer_batch(self, items: list[tuple[Session, StepInputs]]) -> list[torch.Tensor]:
+        """One-token steps of several sessions of one stage, as one forward."""
+        if len(items) == 1:
+            session, inputs = items[0]
+            return [self._infer(session, inputs, 0, 1)]
+        self._threads_for(sum(inputs.hidden.shape[0] for _, inputs in items))
+        stage = items[0][0].stage
+        return stage.forward_batch(
+            [inputs.hidden for _, inputs in items],
+            [session.cache for session, _ in items],
+            [inputs.mask for _, inputs in items],
+            [inputs.positions for _, inputs in items],
+        )
 
     def _train_forward(self, session: Session, inputs: StepInputs) -> torch.Tensor:
         self._threads_for(inputs.hidden.shape[0] * inputs.hidden.shape[1])

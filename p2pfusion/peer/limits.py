@@ -11,7 +11,7 @@ from p2pfusion.models.adapters import MAX_PROMPT_TOKENS, MAX_RANK
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameLimits
-from p2pfusion.peer.admission import Budget
+from p2pfusion.peer.admission import Budget, kv_bytes_per_token
 from p2pfusion.peer.compute import PREFILL_CHUNK
 
 HEADER_BYTES = 256 << 10
@@ -45,6 +45,14 @@ def adapter_bytes(stage: Stage, model_layers: int) -> int:
     lora = sum(MAX_RANK * (p.in_features + p.out_features) for p in layer.modules() if isinstance(p, nn.Linear))
     per_layer = lora + MAX_PROMPT_TOKENS * stage.hidden_size
     return 4 * per_layer * (model_layers - stage.start)
+
+
+def token_bytes(stage: Stage) -> int:
+    """KV cache one position reserves through the stage's layers."""
+    config = stage.module.config
+    heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return kv_bytes_per_token(stage.end - stage.start, heads, head_dim, stage.dtype.itemsize)
 
 
 def step_bytes(stage: Stage) -> int:

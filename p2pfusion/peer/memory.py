@@ -1,28 +1,24 @@
-"""How much memory a peer gives sessions, and giving freed memory back to the system."""
+"""How much memory a peer gives sessions' KV caches, and giving freed memory back to the system."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
-import os
-
-import torch
 
 log = logging.getLogger(__name__)
 
-SESSION_MEMORY_CAP = 16 << 30
+CACHE_SHARE = 0.5  # of the memory left free once the weights are loaded
 TRIM_AFTER = 16 << 20  # bytes of sessions freed before the heap is trimmed (or none left open)
 
 
-def default_session_memory(device: str) -> int:
-    """Bytes of KV cache for all sessions together: on a GPU, half of what is free once the weights
-    are loaded; on the CPU a quarter of the machine's memory; at most SESSION_MEMORY_CAP."""
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        return min(free // 2, SESSION_MEMORY_CAP)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(total // 4, SESSION_MEMORY_CAP)
+def default_cache_memory(free: int, weights: int) -> int:
+    """Bytes of KV cache for all sessions together, unless the operator says: half of what the
+    device had free before the stage was loaded (`free`), less the stage's weights. The other half
+    stays for activations (prefill chunks, batched steps), the allocator's slack and the rest of
+    the machine. Peers sharing a device each see as free what the others reserved but have not
+    filled yet: their operators split it with --cache-mib."""
+    return max(int(CACHE_SHARE * (free - weights)), 0)
 
 
 def _malloc_trim():

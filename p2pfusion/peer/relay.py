@@ -76,7 +76,7 @@ async def _relay_one(session: Session, reader, limits: FrameLimits, on_backward:
         return True
     passed = screen(message, session.downstream_peers, session.next_peer)
     if isinstance(passed, m.Error) and passed.code == m.EXPIRED:
-        session.expired = True
+        session.mark_expired()
     payload = pack(tensor) if tensor is not None and passed is message else None
     await write(session.upstream, m.to_header(passed), payload)
     return passed is message

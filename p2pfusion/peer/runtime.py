@@ -19,16 +19,16 @@ import torch
 from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.models.source import ModelSource
-from p2pfusion.models.stage import load_config, load_stage
+from p2pfusion.models.stage import Stage, load_config, load_stage
 from p2pfusion.net import probe
 from p2pfusion.net.compression import AUTO
 from p2pfusion.net.links import LinkBook
 from p2pfusion.peer.balance import Capacity, Placement, place_peer, reclaim, stage_most_at_risk, yields_to
 from p2pfusion.peer.admission import Budget
-from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name
+from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name, free_memory
 from p2pfusion.peer.directory import HopDirectory
 from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimits
-from p2pfusion.peer.memory import default_session_memory
+from p2pfusion.peer.memory import default_cache_memory
 from p2pfusion.peer.server import StageServer
 
 log = logging.getLogger(__name__)
@@ -63,9 +63,10 @@ class PeerOptions:
     rebalance_period: float = 120.0
     report_period: float = 60.0  # seconds between the INFO lines on what the peer served
     drain_timeout: float = 10.0
-    session_memory: int | None = None  # bytes of KV cache for all sessions; None: default_session_memory
-    client_share: float = 0.5  # of session_memory, the most one source (client address, upstream peer) holds
+    cache_memory: int | None = None  # bytes of KV cache for all sessions; None: default_cache_memory
+    client_share: float = 0.5  # of cache_memory, the most one source (client address, upstream peer) holds
     client_sessions: int = 64  # sessions one source may hold open
+    max_sessions: int = 256  # sessions open at once, all sources together
     idle_timeout: float = IDLE_TIMEOUT  # seconds a session may go without a step before it expires
     first_frame_timeout: float = FIRST_FRAME_TIMEOUT
 
@@ -152,9 +153,10 @@ class Peer:
         await self.announce()
         if self.options.layers is None:
             placement = await self._settle(placement)
+        free = free_memory(self.options.device)  # before the weights take their part
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
-            stage, self.swarm.transport, self.links, self.directory, self._serving_limits(), self.num_layers,
+            stage, self.swarm.transport, self.links, self.directory, self._serving_limits(stage, free), self.num_layers,
             self.options.max_length, self.options.compression, bench.decode_threads, self.options.training_memory,
         )
         await self.server.start()
@@ -162,13 +164,20 @@ class Peer:
         role = "a warm backup of" if placement.backup else "serving"
         log.info("%s layers %d:%d as %s", role, placement.start, placement.end, self.swarm.peer_id)
 
-    def _serving_limits(self) -> ServingLimits:
-        options = self.options
-        total = options.session_memory
+    def _serving_limits(self, stage: Stage, free: int) -> ServingLimits:
+        """`free`: bytes the device had free before `stage` was loaded."""
+        options, mib = self.options, 1 << 20
+        total = options.cache_memory
         if total is None:
-            total = default_session_memory(options.device)
-        log.info("sessions may reserve %.0f MiB of KV cache", total / (1 << 20))
-        budget = Budget(total, options.client_share, options.client_sessions)
+            weights = sum(t.numel() * t.element_size() for t in [*stage.module.parameters(), *stage.module.buffers()])
+            total = default_cache_memory(free, weights)
+            log.info(
+                "sessions may reserve %.0f MiB of KV cache: half of the %.0f MiB free less %.0f MiB of weights "
+                "(--cache-mib sets it)", total / mib, free / mib, weights / mib,
+            )
+        else:
+            log.info("sessions may reserve %.1f MiB of KV cache", total / mib)
+        budget = Budget(total, options.client_share, options.client_sessions, options.max_sessions)
         return ServingLimits(budget, options.idle_timeout, options.first_frame_timeout)
 
     async def _settle(self, placement: Placement) -> Placement:

@@ -1,10 +1,9 @@
-"""What the stage's one compute thread runs next.
+"""The stage's one compute thread, and the queue in front of it.
 
-Steps run one at a time on one thread (torch already uses every core per op, and an adapter hooks
-the shared module for the length of its step). A long prefill is cut into chunks of a few hundred
-positions, each its own job, so decoding steps (a few positions each) run between the chunks
-instead of waiting for the whole prefill; and the chunks of different sources take turns, so one
-client sending prefill after prefill cannot starve another's.
+Steps run on one thread (torch already uses every core per op, and an adapter hooks the shared
+module for the length of its step). `peer.batching.next_batch` decides what runs next and which
+decode steps run together; this module keeps the queue, charges each source the compute time
+its jobs took, and hands results back to the sessions' tasks.
 """
 
 from __future__ import annotations
@@ -12,88 +11,153 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-URGENT_ROWS = 32  # a step of at most this many positions (batch x tokens) runs before any chunk
+from p2pfusion.peer.batching import URGENT_ROWS, Pending, connection_of, next_batch
+
+BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their results, in order
+# While sessions share the peer, an idle thread takes a decode step a moment after it arrives,
+# not at once: steps that came in the same burst (a client's sessions, or a hop's batch passed on)
+# are still being read then, or a moment behind, and join its batch. The moment is a quarter of a
+# batch's recent time, at most 8 ms (on this project's CPUs: 8 sessions went from 16 to 22
+# tokens/s through 3 peers, docs/benchmarks.md); on a GPU, where a step takes a few ms, less.
+GATHER_SHARE = 0.25
+MAX_GATHER = 0.008
 
 
-@dataclass(frozen=True)
-class Pending:
-    source: str
-    rows: int
-    order: int  # arrival
-
-
-def pick(pending: list[Pending], last_source: str | None) -> int:
-    """Index of the job to run next: the oldest urgent one; else the oldest of the source that
-    comes after `last_source` (the source of the last chunk run), in a fixed ring of sources."""
-    urgent = [i for i, job in enumerate(pending) if job.rows <= URGENT_ROWS]
-    if urgent or last_source is None:
-        return min(urgent or range(len(pending)), key=lambda i: pending[i].order)
-    sources = sorted({job.source for job in pending})
-    after = [s for s in sources if s > last_source]
-    source = after[0] if after else sources[0]
-    return min((i for i, job in enumerate(pending) if job.source == source), key=lambda i: pending[i].order)
-
-
-def chunks(tokens: int, batch: int, chunk_rows: int) -> list[tuple[int, int]]:
-    """Token ranges [a, b) of a step cut into pieces of at most `chunk_rows` positions (at least one
-    token each)."""
-    size = max(1, chunk_rows // batch)
-    return [(a, min(tokens, a + size)) for a in range(0, tokens, size)]
+@dataclass
+class Stats:
+    steps: int = 0  # jobs run
+    batches: int = 0  # forwards that ran two or more jobs together
+    batched_steps: int = 0  # jobs that ran in those
 
 
 @dataclass
 class _Job:
     pending: Pending
-    run: Callable[[], Any]
+    work: Any  # a callable (run alone), or an item for the runner of its key
     future: asyncio.Future
 
 
 class Scheduler:
-    """One compute thread, and the queue in front of it, ordered by `pick`."""
-
     def __init__(self):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self._jobs: list[_Job] = []
         self._busy = False
-        self._last_source: str | None = None
+        self._after_big = False
+        self._used: dict[str, float] = {}  # compute seconds per connection and per fairness unit
+        # what a connection (or a unit within one) that was away starts from: it banks no credit
+        self._floors = {True: 0.0, False: 0.0}  # by "is a connection"
+        self._runners: dict[Hashable, BatchRunner] = {}
+        self._gathering: asyncio.TimerHandle | None = None
+        self._batch_seconds = 0.0  # a batched forward's time, lately
         self._order = itertools.count()
+        self.stats = Stats()
 
     @property
     def idle(self) -> bool:
         return not self._busy and not self._jobs
 
+    @property
+    def queued(self) -> int:
+        return len(self._jobs)
+
     async def run(self, source: str, rows: int, fn: Callable, *args) -> Any:
+        """`fn(*args)` on the compute thread, alone."""
+        return await self._submit(Pending(source, rows, next(self._order)), functools.partial(fn, *args))
+
+    async def run_batched(
+        self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any, inline: bool = False
+    ) -> Any:
+        """`runner([item, ...])`'s result for `item`, run with the other items of `key` that are
+        ready at the same time. `inline`: run it on the calling thread if the queue is idle."""
+        if inline and self.idle:
+            started = time.perf_counter()
+            result = runner([item])[0]
+            self._charge([Pending(source, rows, 0)], time.perf_counter() - started)
+            self.stats.steps += 1
+            return result
+        self._runners[key] = runner
+        return await self._submit(Pending(source, rows, next(self._order), key), item, gather=True)
+
+    async def _submit(self, pending: Pending, work: Any, gather: bool = False) -> Any:
         loop = asyncio.get_running_loop()
-        job = _Job(Pending(source, rows, next(self._order)), functools.partial(fn, *args), loop.create_future())
+        job = _Job(pending, work, loop.create_future())
         self._jobs.append(job)
-        self._dispatch()
+        if not gather or self._busy:
+            self._dispatch()
+        elif self._gathering is None:
+            self._gathering = loop.call_later(min(MAX_GATHER, GATHER_SHARE * self._batch_seconds), self._gathered)
         return await job.future
+
+    def _gathered(self) -> None:
+        self._gathering = None
+        self._dispatch()
 
     def _dispatch(self) -> None:
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
         if self._busy or not self._jobs:
+            if not self._jobs:
+                self._runners.clear()
             return
-        job = self._jobs.pop(pick([j.pending for j in self._jobs], self._last_source))
-        if job.pending.rows > URGENT_ROWS:
-            self._last_source = job.pending.source
+        self._level_up({job.pending.source for job in self._jobs})
+        chosen = next_batch([job.pending for job in self._jobs], self._used, self._after_big)
+        batch = [self._jobs[i] for i in chosen]
+        self._jobs = [job for i, job in enumerate(self._jobs) if i not in set(chosen)]
+        key = batch[0].pending.key
+        work = batch[0].work if key is None else functools.partial(self._runners[key], [job.work for job in batch])
         self._busy = True
-        done = asyncio.get_running_loop().run_in_executor(self._thread, job.run)
-        done.add_done_callback(functools.partial(self._finish, job))
+        done = asyncio.get_running_loop().run_in_executor(self._thread, work)
+        done.add_done_callback(functools.partial(self._finish, batch, key is not None, time.perf_counter()))
 
-    def _finish(self, job: _Job, done: asyncio.Future) -> None:
+    def _level_up(self, waiting: set[str]) -> None:
+        """Bring the waiting connections and units up to their floors, then raise the floors to the
+        least served of them."""
+        keys = waiting | {connection_of(unit) for unit in waiting}
+        for key in keys:
+            floor = self._floors[connection_of(key) == key]
+            self._used[key] = max(self._used.get(key, floor), floor)
+        for is_connection in (True, False):
+            level = [self._used[key] for key in keys if (connection_of(key) == key) == is_connection]
+            if level:
+                self._floors[is_connection] = min(level)
+
+    def _charge(self, jobs: list[Pending], seconds: float) -> None:
+        rows = sum(job.rows for job in jobs)
+        for job in jobs:
+            for key in {job.source, connection_of(job.source)}:
+                floor = self._floors[connection_of(key) == key]
+                self._used[key] = self._used.get(key, floor) + seconds * job.rows / rows
+        if len(self._used) > 1024:  # a key at its floor is the same as a new one: forget it
+            self._used = {k: v for k, v in self._used.items() if v > self._floors[connection_of(k) == k]}
+
+    def _finish(self, batch: list[_Job], batched: bool, started: float, done: asyncio.Future) -> None:
         self._busy = False
+        seconds = time.perf_counter() - started
+        self._charge([job.pending for job in batch], seconds)
+        if batched:
+            self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
+        self._after_big = not batched and batch[0].pending.rows > URGENT_ROWS
+        self.stats.steps += len(batch)
+        if len(batch) > 1:
+            self.stats.batches += 1
+            self.stats.batched_steps += len(batch)
         if done.cancelled():  # the thread was shut down
-            job.future.cancel()
-        elif not job.future.cancelled():
-            if done.exception() is not None:
-                job.future.set_exception(done.exception())
-            else:
-                job.future.set_result(done.result())
+            for job in batch:
+                job.future.cancel()
+        elif done.exception() is not None:
+            for job in batch:
+                if not job.future.cancelled():
+                    job.future.set_exception(done.exception())
+        else:
+            results = done.result() if batched else [done.result()]
+            for job, result in zip(batch, results):
+                if not job.future.cancelled():
+                    job.future.set_result(result)
         self._dispatch()
 
     def shutdown(self) -> None:

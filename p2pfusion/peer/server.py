@@ -20,6 +20,7 @@ import torch
 from p2pfusion.errors import PeerBusy, PeerFailed, RequestError, SessionExpired
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
+from p2pfusion.net.clients import Source
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.framing import BadTensor, read_frame, write_frame
@@ -27,17 +28,18 @@ from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
 from p2pfusion.net.transport import Transport
 from p2pfusion.peer import memory
-from p2pfusion.peer.admission import Reservation, kv_bytes_per_token, refusal
+from p2pfusion.peer.admission import Reservation, refusal
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.directory import dial_addrs
-from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits
+from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits, token_bytes
 from p2pfusion.peer.relay import relay, screen
+from p2pfusion.peer.batching import fairness_unit
 from p2pfusion.peer.session import Session
+from p2pfusion.peer.sinks import SUBSCRIBE_WAIT, ResultStreams
 from p2pfusion.peer.streams import error_for, send_quietly, step_of, write
 
 log = logging.getLogger(__name__)
 
-SUBSCRIBE_WAIT = 10.0  # the last hop waits this long for the client's result stream, and it for the session
 ONWARD_WAIT = 30.0  # for the next hop's answer to an Open (it answers once the rest of the route is up)
 
 Directory = Callable[[str], Awaitable[list[str] | None]]  # peer id -> its announced data addresses
@@ -69,9 +71,8 @@ class StageServer:
         self.tokens_done = 0  # tokens computed since start, for the load this peer announces
         self.sessions_opened = 0  # since start, for the peer's periodic report
         self.sessions: dict[str, Session] = {}
-        self._sinks: dict[str, asyncio.StreamWriter] = {}
-        self._sink_ready: dict[str, asyncio.Event] = {}
-        self.compute = StageCompute(decode_threads, training_memory, limits.prefill_chunk)
+        self.results = ResultStreams()
+        self.compute = StageCompute(decode_threads, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
         self._freed = 0  # bytes of sessions ended since the heap was last trimmed
         self.draining = False
         self._streams: tuple[Stage, StreamLimits] | None = None
@@ -90,13 +91,10 @@ class StageServer:
 
     def reservation(self, msg: m.Open) -> int:
         """Bytes a session reserves: the KV cache it may grow to, or a training session's saved inputs."""
-        stage, itemsize = self.stage, self.stage.dtype.itemsize
+        stage = self.stage
         if msg.purpose == Purpose.TRAINING:
-            return m.MAX_SAVED * m.MAX_STEP_TOKENS * stage.hidden_size * itemsize
-        config = stage.module.config
-        heads = config.num_key_value_heads or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        return msg.batch * msg.max_length * kv_bytes_per_token(stage.end - stage.start, heads, head_dim, itemsize)
+            return m.MAX_SAVED * m.MAX_STEP_TOKENS * stage.hidden_size * stage.dtype.itemsize
+        return msg.batch * msg.max_length * token_bytes(stage)
 
     async def start(self) -> None:
         await self.transport.add_handler(m.PROTOCOL, self._handle)
@@ -114,9 +112,9 @@ class StageServer:
         while self.sessions and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: str = "unknown") -> None:
-        """`source` names who opened the stream ("ip:<address>" or "peer:<id>"): the unit of the
-        per-client caps."""
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: Source) -> None:
+        """`source` names who opened the stream: its address is the unit of the per-client caps,
+        its client the unit of fair scheduling."""
         try:
             try:
                 async with asyncio.timeout(self.limits.first_frame_timeout):
@@ -154,16 +152,12 @@ class StageServer:
 
     async def _serve_subscriber(self, msg: m.Subscribe, reader, writer) -> None:
         """The client's stream to the last hop: results go out on it, training gradients come in."""
-        if msg.session_id in self._sinks:
-            raise RequestError(f"subscribe: session {msg.session_id} already has a result stream")
-        self._sinks[msg.session_id] = writer
-        self._sink_ready.setdefault(msg.session_id, asyncio.Event()).set()
+        self.results.attach(msg.session_id, writer)
         try:
             await write(writer, m.to_header(m.Ack()))
             await self._serve_gradients(msg.session_id, reader, writer)
         finally:
-            self._sinks.pop(msg.session_id, None)
-            self._sink_ready.pop(msg.session_id, None)
+            self.results.detach(msg.session_id)
 
     def _check_open(self, msg: m.Open) -> None:
         if not msg.route:
@@ -187,25 +181,27 @@ class StageServer:
             raise PeerFailed("open: this peer is leaving the swarm", self.peer_id)
 
     def _admit(self, msg: m.Open, source: str) -> int:
-        """The bytes the session reserves; PeerBusy when the budget, or this source's share, lacks them."""
+        """The bytes the session reserves; PeerBusy (with a retry hint) when the budget, the session
+        cap or this source's share lacks room now, RequestError when the session never fits here."""
         request = Reservation(source, self.reservation(msg))
         held = [Reservation(s.source, s.reserved) for s in self.sessions.values()]
-        why = refusal(self.limits.budget, held, request)
-        if why is not None:
-            raise PeerBusy(f"peer {self.peer_id} busy: {why}", self.peer_id)
-        return request.nbytes
+        refused = refusal(self.limits.budget, held, request)
+        if refused is None:
+            return request.nbytes
+        if refused.retry_after is None:
+            raise RequestError(f"open: peer {self.peer_id}: {refused.reason}")
+        raise PeerBusy(f"peer {self.peer_id} busy: {refused.reason}", self.peer_id, refused.retry_after)
 
-    async def _serve_session(self, msg: m.Open, reader, writer, source: str) -> None:
+    async def _serve_session(self, msg: m.Open, reader, writer, source: Source) -> None:
         self._check_open(msg)
         session = Session(
             msg.session_id, msg.max_length, self.stage, writer, msg.purpose,
             compression=msg.compression if msg.compression != AUTO else self.compression,
-            upstream_link=msg.link, source=source, batch=msg.batch, reserved=self._admit(msg, source),
+            upstream_link=msg.link, source=source.address, client=fairness_unit(source.fairness, msg.client), batch=msg.batch,
+            reserved=self._admit(msg, source.address),
             downstream_peers=frozenset(hop.peer_id for hop in msg.route[1:]),
             frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.max_length),
         )
-        if not session.training:
-            session.cache = self.stage.new_cache()
         self.sessions[msg.session_id] = session
         self.sessions_opened += 1
         try:
@@ -220,12 +216,8 @@ class StageServer:
 
     async def _end(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
-        for inputs in session.saved.values():
+        for inputs in session.end():
             self.compute.release_graph(inputs)
-        session.saved.clear()
-        session.cache = None  # the session object may outlive this (a task's frame): its memory must not
-        if session.relay is not None:
-            session.relay.cancel()
         if session.downstream is not None:
             await send_quietly(session.downstream, m.Close())
             session.downstream.close()
@@ -236,14 +228,7 @@ class StageServer:
 
     async def _connect_onward(self, session: Session, msg: m.Open) -> None:
         if len(msg.route) == 1:
-            ready = self._sink_ready.setdefault(msg.session_id, asyncio.Event())
-            try:
-                await asyncio.wait_for(ready.wait(), SUBSCRIBE_WAIT)
-            except TimeoutError:
-                self._sink_ready.pop(msg.session_id, None)
-                raise RequestError("open: the client opened no output stream to the last hop") from None
-            session.sink = self._sinks[msg.session_id]
-            session.link = msg.client_link
+            session.to_client(await self.results.wait(msg.session_id), msg.client_link)
             return
         nxt = msg.route[1]
         announced = await self.directory(nxt.peer_id)
@@ -251,21 +236,23 @@ class StageServer:
             raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) has no record in the swarm", nxt.peer_id)
         addrs = dial_addrs(nxt.data_addrs, announced)
         if session.compression == AUTO:
-            session.link = await self.links.get(nxt.peer_id, addrs)
+            session.use_link(await self.links.get(nxt.peer_id, addrs))
         try:
             reader, writer = await self.transport.open(nxt.peer_id, addrs, m.PROTOCOL)
-            onward = dataclasses.replace(msg, route=msg.route[1:], link=session.link)
+            onward = dataclasses.replace(msg, route=msg.route[1:], link=session.link, client=session.end_client)
             await write_frame(writer, m.to_header(onward))
             async with asyncio.timeout(ONWARD_WAIT):
                 header, _ = await read_frame(reader, self.streams.first)
             reply = m.from_header(header)
         except Exception as exc:  # libp2p dials fail with assorted types; any of them means that hop is gone
             raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
-        session.downstream, session.next_peer = writer, nxt.peer_id
         if not isinstance(reply, m.Ack):
+            writer.close()
             m.raise_for_error(screen(reply, session.downstream_peers, nxt.peer_id))
             raise PeerFailed(f"next hop {nxt.peer_id} answered an open with {reply.kind!r}", nxt.peer_id)
-        session.relay = asyncio.create_task(relay(session, reader, self.streams.relay, self._on_backward))
+        session.to_next_hop(writer, nxt.peer_id, asyncio.create_task(
+            relay(session, reader, self.streams.relay, self._on_backward)
+        ))
 
     async def _next_frame(self, session: Session, reader, writer):
         """The session's next good frame; a bad tensor costs its step only. Silence past the idle
@@ -302,9 +289,7 @@ class StageServer:
             return True
         if session.training:
             self.compute.keep_graph(inputs)
-            session.saved[message.step] = inputs
-        else:
-            session.length += inputs.hidden.shape[1]
+        session.ran(message, inputs, seconds)
         self.tokens_done += inputs.hidden.shape[0] * inputs.hidden.shape[1]
         timings = [*message.timings, (self.peer_id, seconds)]
         if session.downstream is not None:
@@ -349,6 +334,7 @@ class StageServer:
         except RequestError as exc:
             await send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return
+        session.backward_ran(seconds)
         if param_grads:  # before the input's gradient, so the client has them all when that comes
             entries = [(name, list(g.shape)) for name, g in zip(inputs.adapter.names, param_grads)]
             header = m.to_header(m.ParamGrads(message.step, entries))

@@ -23,6 +23,7 @@ from p2pfusion.net.codecs import Codec, ErrorFeedback, Packed, pack
 from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import UNLIMITED, FrameLimits
 from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
+from p2pfusion.peer.batching import UNIT_SEPARATOR
 
 
 @dataclass
@@ -54,16 +55,59 @@ class Session:
     adapter: StageAdapter | None = None
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
-    source: str = "unknown"  # who sent the Open: "ip:<address>" or "peer:<id>"
+    source: str = "unknown"  # the address that sent the Open ("ip:<address>" or "peer:<id>"): what it may hold
+    client: str = "unknown"  # whose share of compute its steps use (peer.batching.fairness_unit)
     batch: int = 1  # the most sequences an inference step may carry
     reserved: int = 0  # bytes of this peer's session memory held for it (see peer.admission)
     downstream_peers: frozenset[str] = frozenset()  # the route after this hop: whom the relay may name
     frame_limits: FrameLimits = UNLIMITED  # of the frames from the hop before
     expired: bool = False  # a hop after this one closed the session as idle
 
+    def __post_init__(self):
+        if not self.training:
+            self.cache = self.stage.new_cache()
+
+    @property
+    def end_client(self) -> str:
+        """The client this session comes from, as the next hop should be told."""
+        return self.client.split(UNIT_SEPARATOR, 1)[-1]
+
     @property
     def training(self) -> bool:
         return self.purpose == Purpose.TRAINING
+
+    def to_client(self, sink: asyncio.StreamWriter, link: LinkSpeed | None) -> None:
+        """This hop is the route's last: results go to the client's own stream."""
+        self.sink, self.link = sink, link
+
+    def to_next_hop(self, writer: asyncio.StreamWriter, peer_id: str, relay: asyncio.Task) -> None:
+        """Outputs go to `peer_id`; `relay` passes what it sends back on to our upstream."""
+        self.downstream, self.next_peer, self.relay = writer, peer_id, relay
+
+    def use_link(self, link: LinkSpeed | None) -> None:
+        self.link = link
+
+    def mark_expired(self) -> None:
+        self.expired = True
+
+    def ran(self, message: m.Step, inputs: StepInputs, seconds: float) -> None:
+        """A step's forward is done: the cache grew by its tokens, or (training) its inputs wait
+        for their backward pass."""
+        self.compute_seconds = seconds
+        if self.training:
+            self.saved[message.step] = inputs
+        else:
+            self.length += inputs.hidden.shape[1]
+
+    def end(self) -> list[StepInputs]:
+        """Free what the session holds (the object may outlive this, in a task's frame); returns
+        the training inputs whose graphs the peer's training memory should get back."""
+        saved = list(self.saved.values())
+        self.saved.clear()
+        self.cache = None
+        if self.relay is not None:
+            self.relay.cancel()
+        return saved
 
     def check_step(self, message: m.Step, tensor: torch.Tensor | None) -> StepInputs:
         stage = self.stage
@@ -116,6 +160,9 @@ class Session:
         if not torch.isfinite(grad).all():
             raise RequestError("backward: the gradient contains NaN or infinity")
         return self.saved.pop(step), grad
+
+    def backward_ran(self, seconds: float) -> None:
+        self.compute_seconds = seconds
 
     def pack(self, tensor: torch.Tensor, upstream: bool = False) -> Packed:
         """Pack an output (downstream) or an input gradient (upstream) for its link."""

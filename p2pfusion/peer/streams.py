@@ -16,7 +16,9 @@ def step_of(header: dict) -> int:
 
 def error_for(exc: PeerFailed) -> m.Error:
     """The Error that tells a client about `exc`, keeping its code: busy and expired are no faults."""
-    code = m.BUSY if isinstance(exc, PeerBusy) else m.EXPIRED if isinstance(exc, SessionExpired) else None
+    if isinstance(exc, PeerBusy):
+        return m.Error(message=str(exc), failed_peer=exc.peer_id, code=m.BUSY, retry_after=exc.retry_after)
+    code = m.EXPIRED if isinstance(exc, SessionExpired) else None
     return m.Error(message=str(exc), failed_peer=exc.peer_id, code=code)
 
 

@@ -1,6 +1,9 @@
 """A peer's periodic duties while it serves: refresh its record, watch its stage, rebalance.
 
-- Refresh: re-announce before the record expires, with the load it carried lately.
+- Refresh: re-announce before the record expires, with the load it carried lately and what it
+  holds now (sessions, KV cache reserved, steps queued).
+- Load (every second): re-announce at once when what it holds moved a lot (`load_moved`), at
+  most every EARLY_GAP seconds, so that a burst of new sessions spreads over the stage's peers.
 - Watch (every few seconds): a backup promotes itself when its stage loses a peer; a serving peer
   moves to close a gap in coverage that nobody else closes.
 - Report (every minute): one INFO line for the peer's operator on what it served lately.
@@ -27,14 +30,39 @@ from p2pfusion.peer.backup import (
     stage_servers,
 )
 from p2pfusion.peer.balance import layer_throughputs, place_peer, unguarded_gap
+from p2pfusion.peer.limits import token_bytes
 from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.peer.runtime import Peer
+from p2pfusion.peer.server import StageServer
 
 log = logging.getLogger(__name__)
 
 LOAD_EMA = 0.5
 GAP_JITTER = 3.0  # seconds; spreads the peers that would close the same gap
 HEAL_PERIOD = 15.0
+LOAD_PERIOD = 1.0
+EARLY_GAP = 2.0  # seconds between announcements made early for a change of load
+
+
+def holding(server: StageServer) -> dict[str, int]:
+    """The load fields of the peer's record (see PeerRecord), as they are now."""
+    sessions = list(server.sessions.values())
+    return dict(
+        sessions=len(sessions),
+        queued=getattr(server.compute.scheduler, "queued", 0),
+        cache_used=sum(s.reserved for s in sessions),
+        cache_total=server.limits.budget.total,
+        token_bytes=token_bytes(server.stage),
+    )
+
+
+def load_moved(announced: PeerRecord, now: dict[str, int]) -> bool:
+    """Whether what a peer holds moved enough since `announced` for clients to route otherwise:
+    sessions by a quarter (at least one: from an idle peer, the first counts), or reserved cache by
+    an eighth of the budget. The queue changes by the millisecond: the refresh carries it."""
+    sessions = abs(now["sessions"] - announced.sessions) >= max(1, announced.sessions // 4)
+    cache = abs(now["cache_used"] - announced.cache_used) * 8 >= max(now["cache_total"], 1)
+    return sessions or cache
 
 
 class Upkeep:
@@ -45,6 +73,7 @@ class Upkeep:
         self._tokens = 0
         self._tick = time.monotonic()
         self._reported = (0, 0, time.monotonic())  # sessions opened, tokens done, when: at the last report
+        self._early = 0.0  # when the load was last announced early
 
     async def __aenter__(self) -> Upkeep:
         options = self.peer.options
@@ -54,6 +83,7 @@ class Upkeep:
             (self.rebalance, options.rebalance_period, 0.2),  # so peers do not all move at once
             (self.report, options.report_period, 0.0),
             (self.peer.swarm.heal, HEAL_PERIOD, 0.2),
+            (self.announce_load, LOAD_PERIOD, 0.0),
         )]
         return self
 
@@ -78,7 +108,13 @@ class Upkeep:
         rate = (server.tokens_done - self._tokens) / max(now - self._tick, 1e-9)
         self._tokens, self._tick = server.tokens_done, now
         load = LOAD_EMA * self.peer.record.load + (1 - LOAD_EMA) * rate
-        await self.peer.announce(load=load)
+        await self.peer.announce(load=load, **holding(server))
+
+    async def announce_load(self) -> None:
+        now = holding(self.peer.server)
+        if time.monotonic() - self._early >= EARLY_GAP and load_moved(self.peer.record, now):
+            self._early = time.monotonic()
+            await self.peer.announce(**now)
 
     async def report(self) -> None:
         server = self.peer.server
@@ -86,10 +122,12 @@ class Upkeep:
         now = time.monotonic()
         self._reported = (server.sessions_opened, server.tokens_done, now)
         served = server.tokens_done - tokens
+        stats = server.compute.stats
         log.info(
-            "layers %d:%d: %d sessions open, %d opened and %d tokens served in the last %.0f s (%.1f tokens/s)",
+            "layers %d:%d: %d sessions open, %d opened and %d tokens served in the last %.0f s (%.1f tokens/s); "
+            "since start, %d of %d steps ran in %d batches",
             self.peer.record.start, self.peer.record.end, len(server.sessions), server.sessions_opened - sessions,
-            served, now - then, served / max(now - then, 1e-9),
+            served, now - then, served / max(now - then, 1e-9), stats.batched_steps, stats.steps, stats.batches,
         )
 
     async def _snapshot(self) -> tuple[list[PeerRecord], set[str]]:

@@ -1,0 +1,300 @@
+"""Many generations at once from one process: `SwarmLM` for asyncio code, `SwarmLMSync` for threads.
+
+Both are thin around the client core the CLI uses (`RemoteCausalLM`, client/generation.py): one
+swarm node and transport, one head and tokenizer, and one record of peers' health, speed and trust
+serve every call, and each call gets a session of its own. The synchronous API runs that core on a
+loop of its own thread (client/loop.py), so calls from many threads at once all run concurrently
+there, and nothing of the core (tokenizer included) is ever used by two threads at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2pfusion.client.adapters import Adapter
+from p2pfusion.client.generation import Generated, RemoteCausalLM
+from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.verify import DEFAULT_RATE, check_rate
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import RequestError
+from p2pfusion.models.source import ModelSource, resolve_model
+from p2pfusion.net.compression import AUTO
+
+# text, token ids, or chat messages ({"role": ..., "content": ...}) rendered with the chat template
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+
+@dataclass
+class Piece:
+    """One token of a stream, as soon as it is sure (see client/verifier.py)."""
+
+    token_id: int
+    text: str  # what it adds to the text: empty while it ends inside a multi-byte character
+    seconds: float  # from the call's start to this token
+
+
+@dataclass
+class GenerationRequest:
+    """A generation's arguments, checked before any network traffic."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+    stop_at_eos: bool
+    adapter: Adapter | None
+
+
+class SwarmLM:
+    """The asyncio API. `await SwarmLM.connect(initial_peers)`, then `generate` or `stream` from as
+    many tasks as you like; `close` (or `async with`) leaves the swarm."""
+
+    def __init__(self, core: RemoteCausalLM, owns_swarm: bool = False):
+        if core.swarm is None:
+            raise RequestError("this model is not attached to a swarm")
+        self.core = core
+        self._owns_swarm = owns_swarm  # False: the swarm node is the caller's to shut down
+
+    @classmethod
+    async def connect(
+        cls,
+        initial_peers: Sequence[str],
+        model: str | ModelSource | None = None,
+        *,
+        compression: str = AUTO,
+        verify: float = DEFAULT_RATE,
+        dtype: torch.dtype = torch.float32,
+    ) -> SwarmLM:
+        """Load the client's part of `model` (a folder, a .gguf file, a Hub id, or None for the
+        default model) and join the swarm that `initial_peers` belong to. `verify`: the chance that
+        a step's results are checked against other peers (0: never; each generation's end always is)."""
+        if not initial_peers:
+            raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
+        check_rate(verify)
+        # loading reads (and may convert) weights: the caller's loop keeps serving meanwhile
+        core = await asyncio.to_thread(_load_core, model, compression, verify, dtype)
+        core.swarm = await join_swarm(list(initial_peers), client_mode=True)
+        return cls(core, owns_swarm=True)
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    def load_adapter(self, path: str | Path) -> Adapter:
+        """Trained parameters saved by `save_adapter` (or PEFT), to pass as `adapter=` to calls."""
+        return Adapter.load(path, self.core.config, self.core.source)
+
+    def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """The token ids of a prompt; text with `chat` becomes one user message."""
+        core = self.core
+        if isinstance(prompt, str):
+            return core.encode(prompt, chat)
+        items = list(prompt) if isinstance(prompt, Sequence) else None
+        if items and all(isinstance(item, Mapping) for item in items):
+            for item in items:
+                if not isinstance(item.get("role"), str) or not isinstance(item.get("content"), str):
+                    raise RequestError("a chat message is {'role': str, 'content': str}")
+            ids = core.chat_ids([{"role": item["role"], "content": item["content"]} for item in items])
+        elif items is not None and all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            vocab = core.head.get_input_embeddings().num_embeddings
+            if any(not 0 <= item < vocab for item in items):
+                raise RequestError(f"token ids must be in 0..{vocab - 1}")
+            ids = items
+        else:
+            raise RequestError("a prompt is text, a list of token ids or a list of chat messages")
+        core.check_prompt(ids)
+        return ids
+
+    def request(
+        self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+        chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+    ) -> GenerationRequest:
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+            raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(f"seed must be an integer, got {seed!r}")
+        if adapter is not None and not isinstance(adapter, Adapter):
+            raise RequestError("adapter must be an Adapter (see load_adapter)")
+        ids = self.encode(prompt, chat)
+        return GenerationRequest(ids, max_new_tokens, float(temperature), seed, stop_at_eos, adapter)
+
+    async def generate(
+        self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+    ) -> Generated:
+        """Up to `max_new_tokens` tokens after `prompt`, greedy at temperature 0; the result holds
+        the tokens, their text and when each came (`token_times`, `latencies`)."""
+        request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter)
+        return await self.run(request)
+
+    async def run(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None) -> Generated:
+        return await self.core.generate(
+            request.input_ids, request.max_new_tokens, request.temperature, request.seed, on_token,
+            request.stop_at_eos, adapter=request.adapter,
+        )
+
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+    ) -> TokenStream:
+        """Like `generate`, token by token: `async for piece in client.stream(...)`; the stream's
+        `result` is the whole Generated once it ends."""
+        request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter)
+        return TokenStream(self, request)
+
+    async def close(self) -> None:
+        if self._owns_swarm and self.core.swarm is not None:
+            swarm, self.core.swarm = self.core.swarm, None
+            await swarm.shutdown()
+
+    async def __aenter__(self) -> SwarmLM:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+class TokenStream:
+    """A generation's tokens as they come; leaving it early (`aclose`, `async with`) ends the generation."""
+
+    def __init__(self, lm: SwarmLM, request: GenerationRequest):
+        self._lm = lm
+        self._request = request
+        self._queue: asyncio.Queue[int | None] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._tokens: list[int] = []
+        self._text = ""
+        self._started = 0.0
+        self._ended = False
+        self.result: Generated | None = None
+
+    def __aiter__(self) -> TokenStream:
+        return self
+
+    async def __anext__(self) -> Piece:
+        if self._ended:
+            raise StopAsyncIteration
+        if self._task is None:
+            self._started = time.perf_counter()
+            self._task = asyncio.create_task(self._lm.run(self._request, self._queue.put_nowait))
+            self._task.add_done_callback(lambda _: self._queue.put_nowait(None))
+        token = await self._queue.get()
+        if token is None:
+            self._ended = True
+            self.result = await self._task  # its error, if it failed, is the caller's
+            raise StopAsyncIteration
+        return Piece(token, self._added(token), time.perf_counter() - self._started)
+
+    def _added(self, token: int) -> str:
+        self._tokens.append(token)
+        text = self._lm.tokenizer.decode(self._tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # a character still incomplete: it comes with a later token
+            return ""
+        added, self._text = text[len(self._text):], text
+        return added
+
+    async def aclose(self) -> None:
+        self._ended = True
+        task = self._task
+        if task is not None and not task.done():
+            task.cancel()  # the generation closes its session on its way out
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def __aenter__(self) -> TokenStream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+
+class SwarmLMSync:
+    """The synchronous API, safe to call from many threads at once: every call runs on one event
+    loop thread of its own, where the calls of all threads run concurrently."""
+
+    def __init__(
+        self,
+        initial_peers: Sequence[str],
+        model: str | ModelSource | None = None,
+        *,
+        compression: str = AUTO,
+        verify: float = DEFAULT_RATE,
+        dtype: torch.dtype = torch.float32,
+    ):
+        self._loop = BackgroundLoop("p2pfusion-lm")
+        try:
+            self.lm = self._run(SwarmLM.connect(initial_peers, model, compression=compression, verify=verify, dtype=dtype))
+        except BaseException:
+            self._loop.close()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return self._loop.run(coro)
+
+    @property
+    def tokenizer(self):
+        return self._run(_value(lambda: self.lm.tokenizer))
+
+    def load_adapter(self, path: str | Path) -> Adapter:
+        return self.lm.load_adapter(path)
+
+    def generate(
+        self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+    ) -> Generated:
+        return self._run(self.lm.generate(
+            prompt, max_new_tokens, temperature, seed, chat=chat, stop_at_eos=stop_at_eos, adapter=adapter
+        ))
+
+    def stream(
+        self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+    ) -> Iterator[Piece]:
+        """The tokens as they come; breaking out of the loop ends the generation."""
+        stream = self._run(_value(lambda: self.lm.stream(
+            prompt, max_new_tokens, temperature, seed, chat=chat, stop_at_eos=stop_at_eos, adapter=adapter
+        )))
+        try:
+            while (piece := self._run(_next(stream))) is not None:
+                yield piece
+        finally:
+            self._run(stream.aclose())
+
+    def close(self) -> None:
+        if not self._loop.loop.is_closed():
+            try:
+                self._run(self.lm.close())
+            finally:
+                self._loop.close()
+
+    def __enter__(self) -> SwarmLMSync:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _load_core(model: str | ModelSource | None, compression: str, verify: float, dtype: torch.dtype) -> RemoteCausalLM:
+    source = model if isinstance(model, ModelSource) else resolve_model(model)
+    return RemoteCausalLM(source, dtype=dtype, compression=compression, verify=verify)
+
+
+async def _value(make: Callable[[], Any]) -> Any:
+    """`make()` on the loop's thread, where everything of the core runs."""
+    return make()
+
+
+async def _next(stream: TokenStream) -> Piece | None:
+    try:
+        return await stream.__anext__()
+    except StopAsyncIteration:
+        return None

@@ -1,0 +1,166 @@
+"""KV caches that let steps of different sessions run as one batched forward.
+
+Each session keeps its own cache (`SessionCache`): per layer, keys and values in a buffer that
+grows by doubling, so a step appends in place instead of copying the whole history as
+transformers' DynamicCache does. For a batched step, `BatchCache` stands in front of the
+members' caches: each layer's new keys and values go into each member's own buffer, and the
+attention sees the members' histories left-padded to the longest, with the padding masked out.
+That is the layout transformers' own batched `generate` uses, so the layers are transformers'
+modules, unchanged; the padded copy is the one copy per step that DynamicCache makes anyway.
+
+Only stages whose layers all attend to the full history use these (`batchable`); sliding-window
+and hybrid layers keep DynamicCache, and their sessions' steps run one at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+MIN_CAPACITY = 64  # positions a session's buffers first hold
+
+
+def batchable(config: PretrainedConfig) -> bool:
+    """Whether every layer of this (sliced) config keeps a plain, full-history cache."""
+    layers = DynamicCache(config=config).layers
+    return len(layers) == config.num_hidden_layers and all(type(layer) is DynamicLayer for layer in layers)
+
+
+class _SessionLayer(DynamicLayer):
+    """One layer of a session's cache: `keys[:, :, :length]` are the positions seen so far."""
+
+    def __init__(self):
+        super().__init__()
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = self._buffer(key_states, MIN_CAPACITY)
+        self.values = self._buffer(value_states, MIN_CAPACITY)
+        self.is_initialized = True
+
+    @staticmethod
+    def _buffer(like: torch.Tensor, capacity: int) -> torch.Tensor:
+        batch, heads, _, dim = like.shape
+        return torch.empty(batch, heads, capacity, dim, dtype=like.dtype, device=like.device)
+
+    def _reserve(self, length: int) -> None:
+        capacity = self.keys.shape[2]
+        if length <= capacity:
+            return
+        while capacity < length:
+            capacity *= 2
+        keys, values = self._buffer(self.keys, capacity), self._buffer(self.values, capacity)
+        keys[:, :, :self.length] = self.keys[:, :, :self.length]
+        values[:, :, :self.length] = self.values[:, :, :self.length]
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[2]
+        self._reserve(end)
+        self.keys[:, :, self.length:end] = key_states
+        self.values[:, :, self.length:end] = value_states
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+        self.length = 0
+
+
+class SessionCache(Cache):
+    """A session's KV cache on a batchable stage; alone, it serves a forward like DynamicCache."""
+
+    def __init__(self, layers: int):
+        super().__init__(layers=[_SessionLayer() for _ in range(layers)])
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    @property
+    def rows(self) -> int:
+        """Sequences the cache holds (0 before its first step)."""
+        return 0 if self.layers[0].keys is None else self.layers[0].keys.shape[0]
+
+
+class _BatchLayer(CacheLayerMixin):
+    """One layer of a batched step: rows of the members, in order, left-padded to `past`."""
+
+    is_sliding = False
+
+    def __init__(self, members: list[_SessionLayer], rows: list[int], past: int):
+        super().__init__()
+        self.members = members
+        self.rows = rows
+        self.past = past
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None  # the members' own buffers hold the states
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        total = self.past + key_states.shape[2]
+        keys = key_states.new_zeros(*key_states.shape[:2], total, key_states.shape[3])
+        values = torch.zeros_like(keys)
+        row = 0
+        for member, rows in zip(self.members, self.rows):
+            own_keys, own_values = member.update(key_states[row:row + rows], value_states[row:row + rows])
+            keys[row:row + rows, :, total - own_keys.shape[2]:] = own_keys
+            values[row:row + rows, :, total - own_values.shape[2]:] = own_values
+            row += rows
+        return keys, values
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.past
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+@dataclass
+class BatchedStep:
+    """What a batched forward needs beyond the hidden states: the cache in front of the members',
+    the padding mask and each row's positions."""
+
+    cache: Cache
+    attention_mask: torch.Tensor  # [rows, past + tokens]: 0 where a row has no position
+    position_ids: torch.Tensor  # [rows, tokens]
+
+
+def batched_step(
+    caches: list[SessionCache],
+    rows: list[int],
+    tokens: int,
+    masks: list[torch.Tensor | None],
+    positions: list[torch.Tensor | None],
+) -> BatchedStep:
+    """Members' caches (each with `rows[i]` sequences) seen as one batch for a step of `tokens`.
+    `masks[i]` [rows, length + tokens] marks a member's own padding; `positions[i]` [rows, tokens]
+    its positions (None: its sequence positions)."""
+    past = max(cache.length for cache in caches)
+    layers = len(caches[0].layers)
+    cache = Cache(layers=[_BatchLayer([c.layers[i] for c in caches], rows, past) for i in range(layers)])
+    mask = torch.zeros(sum(rows), past + tokens, dtype=torch.long)
+    position_ids = torch.empty(sum(rows), tokens, dtype=torch.long)
+    row = 0
+    for member, count, own_mask, own_positions in zip(caches, rows, masks, positions):
+        span = member.length + tokens
+        mask[row:row + count, past + tokens - span:] = 1 if own_mask is None else own_mask[:, -span:]
+        if own_positions is None:
+            own_positions = torch.arange(member.length, span).expand(count, tokens)
+        position_ids[row:row + count] = own_positions
+        row += count
+    return BatchedStep(cache, mask, position_ids)

@@ -1,0 +1,103 @@
+"""Which waiting jobs a stage runs next, and which of them run together as one batch (pure).
+
+Jobs are steps of sessions: decode steps of a token or two, prefill chunks, training steps. Each
+job names its fairness unit: the connection that sent the session (a client's key within its
+address, or the upstream peer that relays it), then, for relayed sessions, the client that the
+relaying hop names ("conn>client"). Shares are split at the connection first and among its clients
+second, so a relaying peer's claims divide only its own share. Each unit is charged the compute
+time its jobs took (`used`, with an entry for the connection and one for the unit). So:
+- the least-served unit goes first, not the oldest job: a client sending prefill after prefill,
+  or running hundreds of sessions, falls behind the others instead of ahead of them;
+- after a big job (more than URGENT_ROWS positions), small ones waiting go next: a decode step
+  waits for at most one prefill chunk;
+- the first job's decode steps of the same stage and kind (`key`) run in the same batch with
+  those of other units, least served first, taking turns, at most SOURCE_ROWS positions per
+  unit; a unit more than `slack` seconds of compute ahead of the first's does not join, so a
+  heavy client cannot slow everyone's batch down by filling it (it runs its own in between).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass
+
+URGENT_ROWS = 32  # a job of at most this many positions (batch x tokens) is a decode step
+MAX_BATCH_ROWS = 64  # positions in one batched forward
+SOURCE_ROWS = 16  # positions of one unit in one batched forward
+SLACK = 0.25  # seconds of compute a unit may be ahead of the first job's and still share its batch
+UNIT_SEPARATOR = ">"
+
+
+def fairness_unit(connection: str, claimed: str | None) -> str:
+    """The unit a session's steps are charged to: its connection, and the client it claims."""
+    return connection if claimed is None else f"{connection}{UNIT_SEPARATOR}{claimed}"
+
+
+def connection_of(unit: str) -> str:
+    return unit.split(UNIT_SEPARATOR, 1)[0]
+
+
+@dataclass(frozen=True)
+class Pending:
+    source: str  # the fairness unit
+    rows: int
+    order: int  # arrival
+    key: Hashable | None = None  # jobs with the same key may run as one batch; None: alone
+
+
+def served(unit: str, used: Mapping[str, float]) -> tuple[float, float]:
+    """How much a unit was served: its connection's seconds, then its own."""
+    return used.get(connection_of(unit), 0.0), used.get(unit, 0.0)
+
+
+def next_batch(
+    pending: list[Pending],
+    used: Mapping[str, float],
+    after_big: bool,
+    max_rows: int = MAX_BATCH_ROWS,
+    source_rows: int = SOURCE_ROWS,
+    slack: float = SLACK,
+) -> list[int]:
+    """Indices into `pending` of the jobs to run next, together (the first leads). `used`: compute
+    seconds so far per connection and per unit (absent: 0); `after_big`: the last job was big."""
+    urgent = [i for i, job in enumerate(pending) if job.rows <= URGENT_ROWS]
+    candidates = urgent if after_big and urgent else range(len(pending))
+    lead = min(candidates, key=lambda i: (served(pending[i].source, used), pending[i].rows > URGENT_ROWS, pending[i].order))
+    key = pending[lead].key
+    if key is None:
+        return [lead]
+    chosen, rows = [lead], pending[lead].rows
+    per_unit = {pending[lead].source: rows}
+    near = [
+        i for i, job in enumerate(pending)
+        if i != lead and job.key == key and within(job.source, pending[lead].source, used, slack)
+    ]
+    for i in _turns(near, pending, used):
+        job = pending[i]
+        own = per_unit.get(job.source, 0) + job.rows
+        if rows + job.rows <= max_rows and own <= source_rows:
+            chosen.append(i)
+            rows += job.rows
+            per_unit[job.source] = own
+    return chosen
+
+
+def within(unit: str, lead: str, used: Mapping[str, float], slack: float = SLACK) -> bool:
+    """Whether `unit` was served at most `slack` more than `lead`: compared at the connection,
+    or, within one connection, between the two units."""
+    (conn, own), (lead_conn, lead_own) = served(unit, used), served(lead, used)
+    if connection_of(unit) != connection_of(lead):
+        return conn <= lead_conn + slack
+    return own <= lead_own + slack
+
+
+def _turns(indices: list[int], pending: list[Pending], used: Mapping[str, float]) -> list[int]:
+    """`indices` ordered so that units take turns, least served first, each oldest first."""
+    by_unit: dict[str, list[int]] = {}
+    for i in sorted(indices, key=lambda i: pending[i].order):
+        by_unit.setdefault(pending[i].source, []).append(i)
+    queues = [by_unit[u] for u in sorted(by_unit, key=lambda u: (served(u, used), u))]
+    ordered = []
+    for depth in range(max((len(q) for q in queues), default=0)):
+        ordered.extend(q[depth] for q in queues if depth < len(q))
+    return ordered
