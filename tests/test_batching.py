@@ -1,10 +1,11 @@
 """Continuous batching: the pure policy of what runs next (hypothesis), and a batched forward of
-sessions with their own caches against each run alone."""
+sessions with their own caches against each session run alone on transformers' own DynamicCache."""
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import DynamicCache
 
 from p2pfusion.models.stage import load_stage
 from p2pfusion.peer.batching import (
@@ -102,7 +103,7 @@ def test_batched_forward_matches_each_session_alone(tiny_models, family):
     masks = [None, (torch.arange(7 + 4) >= pad).long(), None]
     positions = [None, (torch.arange(7 + 4) - pad).clamp(min=0), None]
     batched = [stage.new_cache() for _ in shapes]
-    alone = [stage.new_cache() for _ in shapes]
+    alone = [DynamicCache(config=stage.module.config) for _ in shapes]  # transformers' own cache, one session each
     for i, (rows, length) in enumerate(shapes):
         x = torch.randn(rows, length, stage.hidden_size)
         mask = None if masks[i] is None else masks[i][:, :length]
@@ -116,7 +117,7 @@ def test_batched_forward_matches_each_session_alone(tiny_models, family):
         step_positions = [None if p is None else p[:, ends[i] - 1:ends[i]] for i, p in enumerate(positions)]
         outs = stage.forward_batch(xs, batched, step_masks, step_positions)
         for i, x in enumerate(xs):
-            want = stage.forward(x, alone[i].length, alone[i], step_masks[i], step_positions[i])
+            want = stage.forward(x, alone[i].get_seq_length(), alone[i], step_masks[i], step_positions[i])
             assert outs[i].shape == want.shape
             assert _rel(outs[i], want) < TOLERANCE
     assert [c.length for c in batched] == [length + 4 for _, length in shapes]

@@ -50,15 +50,14 @@ def _expected(reference, cases) -> list[list[int]]:
         ]
 
 
-def _batched_steps(peers) -> int | None:
-    """Session steps the peers ran inside batched forwards (None where peers do not count them)."""
-    counts = [getattr(getattr(peer.server.compute, "stats", None), "batched_steps", None) for peer in peers]
-    return None if None in counts else sum(counts)
+def _batched_steps(peers) -> int:
+    """Session steps the peers ran inside batched forwards."""
+    return sum(peer.server.compute.stats.batched_steps for peer in peers)
 
 
-def _assert_batched(batched: int | None) -> None:
-    """Where peers count them, some of the sessions' steps ran together, in one forward."""
-    assert batched is None or batched > 0
+def _assert_batched(batched: int) -> None:
+    """Some of the sessions' steps ran together, in one forward."""
+    assert batched > 0
 
 
 async def _at_once_and_staggered(source, swarm, together, staggered):
@@ -66,7 +65,7 @@ async def _at_once_and_staggered(source, swarm, together, staggered):
     async with await SwarmLM.connect(maddrs, source, compression="none", verify=0.0) as lm:
         before = _batched_steps(peers)
         at_once = await asyncio.gather(*(lm.generate(ids, n) for ids, n in together))
-        batched = None if before is None else _batched_steps(peers) - before
+        batched = _batched_steps(peers) - before
 
         async def later(delay: float, ids: list[int], n: int):
             await asyncio.sleep(delay)  # joins while others decode; the short ones leave first
@@ -125,7 +124,7 @@ def test_sync_api_from_threads_matches_transformers(source, swarm):
         for thread in threads:
             thread.join(timeout=60)
         streamed = [piece.token_id for piece in lm.stream(*cases[0])]
-    _assert_batched(None if before is None else _batched_steps(peers) - before)
+    _assert_batched(_batched_steps(peers) - before)
     assert [results.get(i) for i in range(len(cases))] == _expected(reference_model(source), cases)
     assert streamed == results[0]
 
@@ -157,7 +156,7 @@ async def _with_adapters(source, swarm, cases):
     before = _batched_steps(peers)
     async with await SwarmLM.connect(maddrs, source, compression="none", verify=0.0) as lm:
         results = await asyncio.gather(*(lm.generate(ids, n, adapter=adapter) for ids, n, adapter in cases))
-    return [g.token_ids for g in results], None if before is None else _batched_steps(peers) - before
+    return [g.token_ids for g in results], _batched_steps(peers) - before
 
 
 def test_sessions_with_and_without_adapters_at_once(source, swarm):

@@ -74,7 +74,7 @@ def test_a_serving_peer_reports_what_it_served(tiny_models, caplog):
         result = uvloop.run(_served_and_reported(tiny_models["llama"]))
     pattern = re.compile(
         r"layers 0:2: (\d+) sessions open, (\d+) opened and (\d+) tokens served in the last \d+ s \([\d.]+ tokens/s\); "
-        r"since start, (\d+) of (\d+) steps ran in (\d+) batches$"
+        r"since start, (\d+) of (\d+) queued steps ran in (\d+) batches$"
     )
     reports = [pattern.match(r.getMessage()) for r in caplog.records if r.name == "p2pfusion.peer.upkeep"]
     assert reports and all(reports), [r.getMessage() for r in caplog.records]

@@ -9,6 +9,7 @@ from typing import TextIO
 
 from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.text import TextPieces
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import resolve_model
@@ -110,20 +111,15 @@ class StreamingDecoder:
     """Print text as tokens arrive, without splitting multi-byte characters."""
 
     def __init__(self, tokenizer, out: TextIO | None = None):
-        self.tokenizer = tokenizer
+        self.pieces = TextPieces(tokenizer)
         self.out = out or sys.stdout
-        self.tokens: list[int] = []
-        self.printed = 0
 
     def push(self, token: int) -> None:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd"):
-            self.out.write(text[self.printed:])
+        added = self.pieces.add(token)
+        if added:
+            self.out.write(added)
             self.out.flush()
-            self.printed = len(text)
 
     def finish(self) -> None:
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        self.out.write(text[self.printed:] + "\n")
+        self.out.write(self.pieces.rest() + "\n")
         self.out.flush()

@@ -22,6 +22,7 @@ import torch
 from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.generation import Generated, RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.text import TextPieces
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
@@ -172,8 +173,7 @@ class TokenStream:
         self._request = request
         self._queue: asyncio.Queue[int | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
-        self._tokens: list[int] = []
-        self._text = ""
+        self._pieces: TextPieces | None = None  # made on the loop's thread, which alone uses the tokenizer
         self._started = 0.0
         self._ended = False
         self.result: Generated | None = None
@@ -185,6 +185,7 @@ class TokenStream:
         if self._ended:
             raise StopAsyncIteration
         if self._task is None:
+            self._pieces = TextPieces(self._lm.tokenizer)
             self._started = time.perf_counter()
             self._task = asyncio.create_task(self._lm.run(self._request, self._queue.put_nowait))
             self._task.add_done_callback(lambda _: self._queue.put_nowait(None))
@@ -193,15 +194,7 @@ class TokenStream:
             self._ended = True
             self.result = await self._task  # its error, if it failed, is the caller's
             raise StopAsyncIteration
-        return Piece(token, self._added(token), time.perf_counter() - self._started)
-
-    def _added(self, token: int) -> str:
-        self._tokens.append(token)
-        text = self._lm.tokenizer.decode(self._tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # a character still incomplete: it comes with a later token
-            return ""
-        added, self._text = text[len(self._text):], text
-        return added
+        return Piece(token, self._pieces.add(token), time.perf_counter() - self._started)
 
     async def aclose(self) -> None:
         self._ended = True

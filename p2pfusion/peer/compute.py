@@ -49,10 +49,9 @@ class StageCompute:
         batch, tokens = inputs.hidden.shape[:2]
         if session.training:
             out = await self._run(session, batch * tokens, self._train_forward, session, inputs)
-        elif self._batchable(session, inputs):
+        elif self._batchable(session, inputs) and not self._runs_inline(session, batch):
             out = await self.scheduler.run_batched(
-                session.client, batch, id(session.stage), self._infer_batch, (session, inputs),
-                inline=batch <= SMALL_STEP_ROWS and not self._shared(),
+                session.client, batch, id(session.stage), self._infer_batch, (session, inputs)
             )
         else:
             outs, a = [], 0

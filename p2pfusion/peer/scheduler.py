@@ -31,7 +31,7 @@ MAX_GATHER = 0.008
 
 @dataclass
 class Stats:
-    steps: int = 0  # jobs run
+    steps: int = 0  # jobs run on the compute thread (a lone session's small steps run inline, uncounted)
     batches: int = 0  # forwards that ran two or more jobs together
     batched_steps: int = 0  # jobs that ran in those
 
@@ -39,8 +39,9 @@ class Stats:
 @dataclass
 class _Job:
     pending: Pending
-    work: Any  # a callable (run alone), or an item for the runner of its key
+    work: Any  # a callable (run alone), or an item for `runner`
     future: asyncio.Future
+    runner: BatchRunner | None = None  # runs the items of the jobs batched with this one
 
 
 class Scheduler:
@@ -52,7 +53,6 @@ class Scheduler:
         self._used: dict[str, float] = {}  # compute seconds per connection and per fairness unit
         # what a connection (or a unit within one) that was away starts from: it banks no credit
         self._floors = {True: 0.0, False: 0.0}  # by "is a connection"
-        self._runners: dict[Hashable, BatchRunner] = {}
         self._gathering: asyncio.TimerHandle | None = None
         self._batch_seconds = 0.0  # a batched forward's time, lately
         self._order = itertools.count()
@@ -70,25 +70,16 @@ class Scheduler:
         """`fn(*args)` on the compute thread, alone."""
         return await self._submit(Pending(source, rows, next(self._order)), functools.partial(fn, *args))
 
-    async def run_batched(
-        self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any, inline: bool = False
-    ) -> Any:
+    async def run_batched(self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any) -> Any:
         """`runner([item, ...])`'s result for `item`, run with the other items of `key` that are
-        ready at the same time. `inline`: run it on the calling thread if the queue is idle."""
-        if inline and self.idle:
-            started = time.perf_counter()
-            result = runner([item])[0]
-            self._charge([Pending(source, rows, 0)], time.perf_counter() - started)
-            self.stats.steps += 1
-            return result
-        self._runners[key] = runner
-        return await self._submit(Pending(source, rows, next(self._order), key), item, gather=True)
+        ready at the same time (jobs of one key share one runner)."""
+        return await self._submit(Pending(source, rows, next(self._order), key), item, runner)
 
-    async def _submit(self, pending: Pending, work: Any, gather: bool = False) -> Any:
+    async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None = None) -> Any:
         loop = asyncio.get_running_loop()
-        job = _Job(pending, work, loop.create_future())
+        job = _Job(pending, work, loop.create_future(), runner)
         self._jobs.append(job)
-        if not gather or self._busy:
+        if runner is None or self._busy:
             self._dispatch()
         elif self._gathering is None:
             self._gathering = loop.call_later(min(MAX_GATHER, GATHER_SHARE * self._batch_seconds), self._gathered)
@@ -101,18 +92,17 @@ class Scheduler:
     def _dispatch(self) -> None:
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
         if self._busy or not self._jobs:
-            if not self._jobs:
-                self._runners.clear()
             return
         self._level_up({job.pending.source for job in self._jobs})
         chosen = next_batch([job.pending for job in self._jobs], self._used, self._after_big)
         batch = [self._jobs[i] for i in chosen]
-        self._jobs = [job for i, job in enumerate(self._jobs) if i not in set(chosen)]
-        key = batch[0].pending.key
-        work = batch[0].work if key is None else functools.partial(self._runners[key], [job.work for job in batch])
+        taken = set(chosen)
+        self._jobs = [job for i, job in enumerate(self._jobs) if i not in taken]
+        runner = batch[0].runner
+        work = batch[0].work if runner is None else functools.partial(runner, [job.work for job in batch])
         self._busy = True
         done = asyncio.get_running_loop().run_in_executor(self._thread, work)
-        done.add_done_callback(functools.partial(self._finish, batch, key is not None, time.perf_counter()))
+        done.add_done_callback(functools.partial(self._finish, batch, runner is not None, time.perf_counter()))
 
     def _level_up(self, waiting: set[str]) -> None:
         """Bring the waiting connections and units up to their floors, then raise the floors to the

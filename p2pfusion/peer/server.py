@@ -29,11 +29,11 @@ from p2pfusion.net.payloads import flatten
 from p2pfusion.net.transport import Transport
 from p2pfusion.peer import memory
 from p2pfusion.peer.admission import Reservation, refusal
+from p2pfusion.peer.batching import fairness_unit
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.directory import dial_addrs
 from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits, token_bytes
 from p2pfusion.peer.relay import relay, screen
-from p2pfusion.peer.batching import fairness_unit
 from p2pfusion.peer.session import Session
 from p2pfusion.peer.sinks import SUBSCRIBE_WAIT, ResultStreams
 from p2pfusion.peer.streams import error_for, send_quietly, step_of, write

@@ -49,7 +49,7 @@ def holding(server: StageServer) -> dict[str, int]:
     sessions = list(server.sessions.values())
     return dict(
         sessions=len(sessions),
-        queued=getattr(server.compute.scheduler, "queued", 0),
+        queued=server.compute.scheduler.queued,
         cache_used=sum(s.reserved for s in sessions),
         cache_total=server.limits.budget.total,
         token_bytes=token_bytes(server.stage),
@@ -125,7 +125,7 @@ class Upkeep:
         stats = server.compute.stats
         log.info(
             "layers %d:%d: %d sessions open, %d opened and %d tokens served in the last %.0f s (%.1f tokens/s); "
-            "since start, %d of %d steps ran in %d batches",
+            "since start, %d of %d queued steps ran in %d batches",
             self.peer.record.start, self.peer.record.end, len(server.sessions), server.sessions_opened - sessions,
             served, now - then, served / max(now - then, 1e-9), stats.batched_steps, stats.steps, stats.batches,
         )
