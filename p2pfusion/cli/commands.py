@@ -1,19 +1,25 @@
-"""The bodies of `run-peer` and `infer`, kept apart from argument parsing."""
+"""The bodies of `run-peer`, `infer` and `api`, kept apart from argument parsing."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import signal
+import socket
 import sys
 import time
 from typing import TextIO
 
 from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.swarm_lm import SwarmLM
 from p2pfusion.client.text import TextPieces
+from p2pfusion.client.verify import DEFAULT_RATE
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
+from p2pfusion.net.compression import AUTO
 from p2pfusion.peer.runtime import PeerOptions
 from p2pfusion.peer.service import serve
 
@@ -50,6 +56,8 @@ async def run_peer(args, device: str) -> None:
         client_sessions=args.sessions_per_client,
         max_sessions=args.max_sessions,
         idle_timeout=float(args.idle_timeout),
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
     def ready(maddrs: list[str]) -> None:
@@ -105,6 +113,36 @@ async def infer(args, started: float) -> None:
         "%d tokens; prefill %.2f s; decode %.1f tokens/s",
         len(result.token_ids), result.prefill_seconds, steps / max(result.decode_seconds, 1e-9),
     )
+
+
+async def api(args) -> None:
+    # the port first: one in use fails before the model loads
+    from p2pfusion.api.app import listen
+
+    sock = listen(args.host, args.port)
+    await serve_api(sock, args.initial_peers, args.model, args.api_key, args.compression, args.verify)
+
+
+async def serve_api(
+    sock: socket.socket, initial_peers: list[str], model: str | None, api_key: str | None = None,
+    compression: str = AUTO, verify: float = DEFAULT_RATE,
+) -> None:
+    """The OpenAI-compatible API on `sock` (listening) until SIGINT or SIGTERM, in this loop with its swarm client."""
+    # fastapi and uvicorn load for this command only, not for every peer
+    from p2pfusion.api.app import base_url, create_app, model_names, server
+
+    lm = await SwarmLM.connect(initial_peers, model, compression=compression, verify=verify)
+    try:
+        http = server(create_app(lm, model_names(lm), api_key))
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
+        url = base_url(sock)
+        log.info("serving %s: the OpenAI-compatible API at %s/v1, a web chat at %s/", lm.core.source.name, url, url)
+        await http.serve(sockets=[sock])
+        log.info("stopped serving; leaving the swarm")
+    finally:
+        await lm.close()
 
 
 class StreamingDecoder:

@@ -1,4 +1,5 @@
-"""`p2pfusion demo`: 3 local peers serve the default model; one private inference runs through them."""
+"""`p2pfusion demo`: 3 local peers serve the default model; one private inference runs through them,
+or (`--api`) the OpenAI-compatible API serves them until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 
 import uvloop
 
+from p2pfusion.cli.commands import serve_api
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
@@ -36,11 +38,20 @@ def demo(args) -> None:
     source = resolve_model(None)  # converts and caches the default model once, before peers start
     num_layers = load_config(source).num_hidden_layers
     ranges = even_ranges(num_layers, args.peers)
+    sock = None
+    if args.api:  # the port before the peers: one in use fails at once
+        from p2pfusion.api.app import listen
+
+        sock = listen("127.0.0.1", args.port)
     t0 = time.perf_counter()
     with LocalSwarm(model=None) as swarm:
         log.info("starting %d peers on 127.0.0.1 serving layers %s", args.peers, ranges)
         swarm.start(ranges)
         log.info("swarm ready in %.1f s; first peer: %s", time.perf_counter() - t0, swarm.maddrs[0])
+        if sock is not None:
+            uvloop.run(serve_api(sock, swarm.maddrs, None))
+            log.info("stopping the peers")
+            return
         result = uvloop.run(_ask(source, swarm.maddrs, args.prompt, args.max_new_tokens))
         if sys.stderr.isatty():
             print(file=sys.stderr)

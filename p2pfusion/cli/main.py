@@ -1,4 +1,4 @@
-"""The `p2pfusion` command: run-peer, infer, chat, swarm, demo. Logs go to stderr; results go to stdout.
+"""The `p2pfusion` command: run-peer, infer, chat, api, swarm, demo. Logs go to stderr; results go to stdout.
 
 Only the standard library is imported up front: torch and transformers take seconds to import, so
 a command says what it is doing before it imports them.
@@ -146,6 +146,18 @@ COMPRESSION = dict(
 )
 
 
+VERIFY = dict(
+    type=probability, default=0.05, metavar="RATE",
+    help="chance that a step's results are checked against other peers (0: never); a generation's end always is",
+)
+
+
+def api_key(text: str) -> str:
+    if not text or any(c.isspace() for c in text):
+        raise argparse.ArgumentTypeError("an API key is a non-empty word without spaces")
+    return text
+
+
 def _device(args) -> str:
     if args.gpu is not None:
         return f"cuda:{args.gpu}"
@@ -171,10 +183,7 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     )
     command.add_argument("--seed", type=whole_number(0), metavar="N", help="seed of the sampler (with --temperature)")
     command.add_argument("--compression", **COMPRESSION)
-    command.add_argument(
-        "--verify", type=probability, default=0.05, metavar="RATE",
-        help="chance that a step's results are checked against other peers (0: never); a generation's end always is",
-    )
+    command.add_argument("--verify", **VERIFY)
     command.add_argument("--adapter", type=Path, metavar="PATH", help="a trained adapter (PEFT format) to generate with")
 
 
@@ -256,6 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-timeout", type=whole_number(1), default=120, metavar="SECONDS",
         help="a session without a step for this long is closed and its memory freed (its client reopens it)",
     )
+    peer.add_argument(
+        "--metrics-port", type=PORT, metavar="N",
+        help="serve Prometheus metrics over HTTP at /metrics on this port (0 picks a free one; default: not served)",
+    )
+    peer.add_argument(
+        "--metrics-host", type=ip_address, default="127.0.0.1", metavar="IP",
+        help="IP address the metrics listen on: 127.0.0.1 serves this machine only",
+    )
 
     infer = _command(sub, "infer", "private inference through the swarm")
     infer.add_argument("prompt", help="the text to continue (with --chat, the user's message)")
@@ -265,6 +282,20 @@ def build_parser() -> argparse.ArgumentParser:
     chat = _command(sub, "chat", "chat in the terminal with the model, through the swarm")
     _generation_options(chat, 256, "per reply")
     chat.add_argument("--system", metavar="PROMPT", help="a system message to start the conversation with")
+
+    api = _command(sub, "api", "serve an OpenAI-compatible HTTP API (and a web chat) for a model, through the swarm")
+    api.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
+    api.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    api.add_argument(
+        "--host", default="127.0.0.1",
+        help="address to listen on: 127.0.0.1 serves this machine only, 0.0.0.0 every interface",
+    )
+    api.add_argument("--port", type=PORT, default=8000, metavar="N", help="HTTP port; 0 picks a free one")
+    api.add_argument(
+        "--api-key", type=api_key, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 requests"
+    )
+    api.add_argument("--compression", **COMPRESSION)
+    api.add_argument("--verify", **VERIFY)
 
     view = _command(sub, "swarm", "show a swarm's stages, peers and bottleneck")
     view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
@@ -276,12 +307,17 @@ def build_parser() -> argparse.ArgumentParser:
     view.add_argument("--json", action="store_true", help="print JSON for scripts")
     view.add_argument("--no-probe", dest="probe", action="store_false", help="do not time each peer from here")
 
-    demo = _command(sub, "demo", "a local swarm of the default model and one private inference through it")
+    demo = _command(sub, "demo", "a local swarm of the default model: one private inference, or (--api) the HTTP API")
     demo.add_argument("--prompt", default="What is the capital of France?", help="the user's message")
     demo.add_argument("--max-new-tokens", type=whole_number(1), default=48, metavar="N", help="most tokens to generate")
     demo.add_argument(
         "--peers", type=whole_number(1), default=3, metavar="N", help="peers to start, each serving a share of the layers"
     )
+    demo.add_argument(
+        "--api", action="store_true",
+        help="serve the OpenAI-compatible API (and the web chat) on 127.0.0.1 until Ctrl-C, instead of one inference",
+    )
+    demo.add_argument("--port", type=PORT, default=8000, metavar="N", help="the API's HTTP port, with --api")
     return parser
 
 
@@ -291,7 +327,7 @@ def _configure_logging(verbose: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    for noisy in ("hivemind", "transformers", "httpx", "huggingface_hub"):
+    for noisy in ("hivemind", "transformers", "httpx", "huggingface_hub", "uvicorn"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if not sys.stderr.isatty():
@@ -334,6 +370,11 @@ def main(argv: list[str] | None = None) -> int:
             from p2pfusion.cli.chat import chat
 
             chat(args, started)
+        elif args.command == "api":
+            log.info("connecting to the swarm via %s; loading the model first ...", args.initial_peers[0])
+            from p2pfusion.cli.commands import api
+
+            _run(api(args))
         elif args.command == "swarm":
             from p2pfusion.cli.swarm_view import show_swarm
 

@@ -22,11 +22,12 @@ from p2pfusion.client.head import screened_head
 from p2pfusion.client.head_batch import HeadBatcher
 from p2pfusion.client.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.routing import find_route, session_limit
+from p2pfusion.client.sampling import choose_token
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.client.verifier import Trust, Verifier
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import SwarmNode
-from p2pfusion.errors import ModelError, RequestError, RouteError
+from p2pfusion.errors import ModelError, PromptTooLong, RequestError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
@@ -49,7 +50,7 @@ def new_tokens_within(prompt: int, wanted: int, limit: int) -> int:
     `limit`: a prompt that fills it is refused, and a generation that would pass it is cut there,
     with a warning, as transformers stops at max_length."""
     if prompt >= limit:
-        raise RequestError(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
+        raise PromptTooLong(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
     if prompt + wanted > limit:
         log.warning("the swarm accepts %d tokens: generating %d new tokens, not %d", limit, limit - prompt, wanted)
         return limit - prompt
@@ -78,14 +79,6 @@ class Generated:
         """Each token's own wait: the first token's from the call's start (prefill included), each
         later one's from the token before it."""
         return [t - previous for previous, t in zip([0.0, *self.token_times], self.token_times)]
-
-
-def choose_token(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """Temperature 0 is greedy; otherwise sample from the softened distribution."""
-    if temperature <= 0:
-        return int(logits.argmax(-1))
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class RemoteCausalLM:
@@ -131,7 +124,7 @@ class RemoteCausalLM:
             raise RequestError("the prompt is empty")
         limit = self.max_positions()
         if len(input_ids) >= limit:
-            raise RequestError(f"prompt too long: {len(input_ids)} tokens, the model accepts {limit}")
+            raise PromptTooLong(f"prompt too long: {len(input_ids)} tokens, the model accepts {limit}")
 
     async def length_limit(self) -> int:
         return await self._shared("limit", lambda: length_limit(self._access(), self.max_positions()))
@@ -233,7 +226,9 @@ class RemoteCausalLM:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(inputs_embeds=hidden).logits
 
-    async def next_token(self, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
+    async def next_token(
+        self, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0
+    ) -> int:
         """The token after the last position of `hidden` [1, tokens, hidden]. Greedy choices of
         sessions asking at the same moment are made together (client/head_batch.py), through
         bounds that give the float32 head's own token (client/head.py)."""
@@ -243,7 +238,7 @@ class RemoteCausalLM:
                 self._heads = None if screen is None else HeadBatcher(screen, self._normed, self._exact_token)
             if self._heads is not None:
                 return await self._heads.next_token(hidden[:, -1:])
-        return choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator)
+        return choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator, top_p)
 
     def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.base_model(inputs_embeds=hidden).last_hidden_state
@@ -265,15 +260,19 @@ class RemoteCausalLM:
         stop_at_eos: bool = True,
         decode: bool = True,
         adapter: Adapter | None = None,
+        top_p: float = 1.0,
+        stop: Callable[[], bool] | None = None,
     ) -> Generated:
         """One generation in a session of its own, with `adapter` (None: the model's own). Many may
         run at once on one event loop: they share the swarm node, the head and what is known of
-        peers, and each has its own session, generator and adapter."""
+        peers, and each has its own session, generator and adapter. `top_p` and `stop`: see
+        client/sampling.py and `Conversation.generate`."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         conversation = Conversation(self, keep=False, adapter=adapter)
         try:
             return await conversation.generate(
-                input_ids, max_new_tokens, temperature, generator, on_token, stop_at_eos, decode=decode
+                input_ids, max_new_tokens, temperature, generator, on_token, stop_at_eos, stop,
+                decode=decode, top_p=top_p,
             )
         finally:
             await conversation.close()
@@ -315,6 +314,7 @@ class Conversation:
         stop_at_eos: bool = True,
         stop: Callable[[], bool] | None = None,
         decode: bool = True,
+        top_p: float = 1.0,
     ) -> Generated:
         """Continue `input_ids` (the whole sequence, earlier calls' tokens included) with up to
         `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
@@ -353,7 +353,7 @@ class Conversation:
             self.tokens += new
             t1 = time.perf_counter()
             while True:
-                token = await model.next_token(hidden, temperature, generator)
+                token = await model.next_token(hidden, temperature, generator, top_p)
                 out.append(token)
                 times.append(time.perf_counter() - started)
                 done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total

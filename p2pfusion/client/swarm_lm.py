@@ -22,6 +22,7 @@ import torch
 from p2pfusion.client.adapters import Adapter
 from p2pfusion.client.generation import Generated, RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.stops import StopText, cut_at_stop
 from p2pfusion.client.text import TextPieces
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
@@ -38,7 +39,10 @@ class Piece:
     """One token of a stream, as soon as it is sure (see client/verifier.py)."""
 
     token_id: int
-    text: str  # what it adds to the text: empty while it ends inside a multi-byte character
+    # what it adds to the text: empty while it ends inside a multi-byte character or may begin a
+    # stop string (that text comes with a later piece; where the generation ends first, the
+    # text the pieces lack is the end of the whole `Generated.text`)
+    text: str
     seconds: float  # from the call's start to this token
 
 
@@ -52,6 +56,8 @@ class GenerationRequest:
     seed: int | None
     stop_at_eos: bool
     adapter: Adapter | None
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()  # the text ends before the first of these (client/stops.py)
 
 
 class SwarmLM:
@@ -116,41 +122,75 @@ class SwarmLM:
 
     def request(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-        chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+        chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
+        stop: str | Sequence[str] = (),
     ) -> GenerationRequest:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
             raise RequestError(f"temperature must be a finite number >= 0, got {temperature!r}")
+        if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 <= top_p <= 1:
+            raise RequestError(f"top_p must be a number from 0 to 1, got {top_p!r}")
+        stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, Sequence) else None
+        if stops is None or not all(isinstance(s, str) and s for s in stops):
+            raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise RequestError(f"seed must be an integer, got {seed!r}")
         if adapter is not None and not isinstance(adapter, Adapter):
             raise RequestError("adapter must be an Adapter (see load_adapter)")
         ids = self.encode(prompt, chat)
-        return GenerationRequest(ids, max_new_tokens, float(temperature), seed, stop_at_eos, adapter)
+        return GenerationRequest(
+            ids, max_new_tokens, float(temperature), seed, stop_at_eos, adapter, float(top_p), stops
+        )
 
     async def generate(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
+        stop: str | Sequence[str] = (),
     ) -> Generated:
-        """Up to `max_new_tokens` tokens after `prompt`, greedy at temperature 0; the result holds
-        the tokens, their text and when each came (`token_times`, `latencies`)."""
-        request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter)
+        """Up to `max_new_tokens` tokens after `prompt`, greedy at temperature 0 (sampled within the
+        nucleus `top_p` otherwise); the text ends before the first `stop` string, and the tokens do
+        soon after it. The result holds the tokens, their text and when each came (`token_times`,
+        `latencies`)."""
+        request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter, top_p, stop)
         return await self.run(request)
 
-    async def run(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None) -> Generated:
-        return await self.core.generate(
-            request.input_ids, request.max_new_tokens, request.temperature, request.seed, on_token,
-            request.stop_at_eos, adapter=request.adapter,
+    async def run(
+        self, request: GenerationRequest, on_piece: Callable[[Piece], None] | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> Generated:
+        """`request`'s generation; `on_piece` gets each token once it is sure, with the text it adds,
+        held back while that text may begin one of the request's stop strings. `stop()`, asked after
+        each token, ends the generation early."""
+        started = time.perf_counter()
+        pieces = TextPieces(self.tokenizer)
+        stops = StopText(request.stop)
+
+        def shown(token: int) -> None:
+            text = stops.add(pieces.add(token))
+            if on_piece is not None:
+                on_piece(Piece(token, text, time.perf_counter() - started))
+
+        def stopping() -> bool:
+            return stops.stopped or (stop is not None and stop())
+
+        watched = on_piece is not None or bool(request.stop)
+        result = await self.core.generate(
+            request.input_ids, request.max_new_tokens, request.temperature, request.seed, shown if watched else None,
+            request.stop_at_eos, adapter=request.adapter, top_p=request.top_p,
+            stop=stopping if request.stop or stop is not None else None,
         )
+        result.text = cut_at_stop(result.text, request.stop)
+        return result
 
     def stream(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
+        stop: str | Sequence[str] = (),
     ) -> TokenStream:
         """Like `generate`, token by token: `async for piece in client.stream(...)`; the stream's
         `result` is the whole Generated once it ends."""
-        request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter)
+        request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter, top_p, stop)
         return TokenStream(self, request)
 
     async def close(self) -> None:
@@ -170,11 +210,9 @@ class TokenStream:
 
     def __init__(self, lm: SwarmLM, request: GenerationRequest):
         self._lm = lm
-        self._request = request
-        self._queue: asyncio.Queue[int | None] = asyncio.Queue()
+        self.request = request
+        self._queue: asyncio.Queue[Piece | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
-        self._pieces: TextPieces | None = None  # made on the loop's thread, which alone uses the tokenizer
-        self._started = 0.0
         self._ended = False
         self.result: Generated | None = None
 
@@ -185,22 +223,22 @@ class TokenStream:
         if self._ended:
             raise StopAsyncIteration
         if self._task is None:
-            self._pieces = TextPieces(self._lm.tokenizer)
-            self._started = time.perf_counter()
-            self._task = asyncio.create_task(self._lm.run(self._request, self._queue.put_nowait))
+            self._task = asyncio.create_task(self._lm.run(self.request, self._queue.put_nowait, lambda: self._ended))
             self._task.add_done_callback(lambda _: self._queue.put_nowait(None))
-        token = await self._queue.get()
-        if token is None:
+        piece = await self._queue.get()
+        if piece is None:
             self._ended = True
             self.result = await self._task  # its error, if it failed, is the caller's
             raise StopAsyncIteration
-        return Piece(token, self._pieces.add(token), time.perf_counter() - self._started)
+        return piece
 
     async def aclose(self) -> None:
-        self._ended = True
+        self._ended = True  # the generation asks after each token: it ends even if the cancellation is lost
         task = self._task
         if task is not None and not task.done():
-            task.cancel()  # the generation closes its session on its way out
+            # the generation closes its session on its way out. Before Python 3.12 a cancellation
+            # that lands as an awaited `asyncio.wait_for` completes is lost; the flag above is not.
+            task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
     async def __aenter__(self) -> TokenStream:
@@ -242,19 +280,23 @@ class SwarmLMSync:
 
     def generate(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
+        stop: str | Sequence[str] = (),
     ) -> Generated:
         return self._run(self.lm.generate(
-            prompt, max_new_tokens, temperature, seed, chat=chat, stop_at_eos=stop_at_eos, adapter=adapter
+            prompt, max_new_tokens, temperature, seed, chat=chat, stop_at_eos=stop_at_eos, adapter=adapter,
+            top_p=top_p, stop=stop,
         ))
 
     def stream(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
-        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None,
+        *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
+        stop: str | Sequence[str] = (),
     ) -> Iterator[Piece]:
         """The tokens as they come; breaking out of the loop ends the generation."""
         stream = self._run(_value(lambda: self.lm.stream(
-            prompt, max_new_tokens, temperature, seed, chat=chat, stop_at_eos=stop_at_eos, adapter=adapter
+            prompt, max_new_tokens, temperature, seed, chat=chat, stop_at_eos=stop_at_eos, adapter=adapter,
+            top_p=top_p, stop=stop,
         )))
         try:
             while (piece := self._run(_next(stream))) is not None:

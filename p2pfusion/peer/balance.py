@@ -14,8 +14,9 @@ next peer's first.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
+from p2pfusion.dht.coverage import layer_throughputs, planned
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
 
 # Decimal places kept when comparing throughputs, so float noise does not decide a choice.
@@ -39,23 +40,6 @@ class Placement:
     start: int
     end: int
     backup: bool = False
-
-
-def planned(r: PeerRecord) -> PeerRecord:
-    """The record as it will be once its move (if any) is done: balancing plans for that swarm."""
-    if r.moving_to is None:
-        return r
-    return replace(r, start=r.moving_to[0], end=r.moving_to[1], moving_to=None)
-
-
-def layer_throughputs(records: Iterable[PeerRecord], num_layers: int) -> list[float]:
-    """Summed throughput of the serving (online or joining) peers at each layer; backups add nothing."""
-    totals = [0.0] * num_layers
-    for r in map(planned, records):
-        if r.serving:
-            for layer in range(r.start, min(r.end, num_layers)):
-                totals[layer] += r.throughput
-    return totals
 
 
 def layer_replicas(records: Iterable[PeerRecord], num_layers: int, states: tuple[PeerState, ...]) -> list[int]:

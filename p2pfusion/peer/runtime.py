@@ -29,6 +29,7 @@ from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device
 from p2pfusion.peer.directory import HopDirectory
 from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimits
 from p2pfusion.peer.memory import default_cache_memory
+from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.server import StageServer
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class PeerOptions:
     max_sessions: int = 256  # sessions open at once, all sources together
     idle_timeout: float = IDLE_TIMEOUT  # seconds a session may go without a step before it expires
     first_frame_timeout: float = FIRST_FRAME_TIMEOUT
+    metrics_port: int | None = None  # Prometheus metrics over HTTP at /metrics (0: a free port); None: not served
+    metrics_host: str = "127.0.0.1"
 
 
 class Peer:
@@ -86,6 +89,8 @@ class Peer:
         self.links = LinkBook(swarm.transport)
         self.directory = HopDirectory(lambda: swarm.lookup(self.model))  # where next hops may be dialled
         self._checked: dict[str, tuple[float, bool]] = {}
+        self.metrics = StageMetrics(self.model)
+        self.exporter: Exporter | None = None
 
     async def live_records(self) -> tuple[list[PeerRecord], set[str]]:
         """The model's records, less the peers that clients reported unreachable and that fail our
@@ -136,6 +141,8 @@ class Peer:
         return place_peer(records, self.num_layers, self.capacity, self.swarm.peer_id)
 
     async def start(self) -> None:
+        if self.options.metrics_port is not None:  # first: a port taken fails the start before any work
+            self.exporter = serve_metrics(self.metrics.registry, self.options.metrics_host, self.options.metrics_port)
         await probe.serve_probes(self.swarm.transport)
         bench = await asyncio.to_thread(self._benchmark)
         records, _ = await self.live_records()
@@ -158,6 +165,7 @@ class Peer:
         self.server = StageServer(
             stage, self.swarm.transport, self.links, self.directory, self._serving_limits(stage, free), self.num_layers,
             self.options.max_length, self.options.compression, bench.decode_threads, self.options.training_memory,
+            metrics=self.metrics,
         )
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
@@ -243,3 +251,6 @@ class Peer:
         if self.server is not None:
             await self.server.drain(self.options.drain_timeout)
             await self.server.stop()
+        if self.exporter is not None:
+            await asyncio.to_thread(self.exporter.close)
+            self.exporter = None

@@ -57,6 +57,7 @@ class Scheduler:
         self._batch_seconds = 0.0  # a batched forward's time, lately
         self._order = itertools.count()
         self.stats = Stats()
+        self.observe: Callable[[list[Pending], float], None] = lambda jobs, seconds: None  # each run (peer.metrics)
 
     @property
     def idle(self) -> bool:
@@ -129,6 +130,7 @@ class Scheduler:
         self._busy = False
         seconds = time.perf_counter() - started
         self._charge([job.pending for job in batch], seconds)
+        self.observe([job.pending for job in batch], seconds)
         if batched:
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
         self._after_big = not batched and batch[0].pending.rows > URGENT_ROWS

@@ -33,6 +33,7 @@ from p2pfusion.peer.batching import fairness_unit
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.directory import dial_addrs
 from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits, token_bytes
+from p2pfusion.peer.metrics import StageMetrics
 from p2pfusion.peer.relay import relay, screen
 from p2pfusion.peer.session import Session
 from p2pfusion.peer.sinks import SUBSCRIBE_WAIT, ResultStreams
@@ -58,6 +59,8 @@ class StageServer:
         compression: str = AUTO,
         decode_threads: int | None = None,
         training_memory: int = 1 << 30,
+        *,
+        metrics: StageMetrics,
     ):
         self.stage = stage
         self.transport = transport
@@ -76,6 +79,8 @@ class StageServer:
         self._freed = 0  # bytes of sessions ended since the heap was last trimmed
         self.draining = False
         self._streams: tuple[Stage, StreamLimits] | None = None
+        self.metrics = metrics
+        metrics.watch(self)
 
     @property
     def graph_bytes(self) -> int:
@@ -134,18 +139,22 @@ class StageServer:
         except EOFError:
             pass
         except (PeerBusy, SessionExpired) as exc:  # the client's share, or its silence: no fault of anyone
+            self.metrics.error(exc)
             log.info("%s", exc)
             await send_quietly(writer, error_for(exc))
         except PeerFailed as exc:
+            self.metrics.error(exc)
             log.warning("%s", exc)
             await send_quietly(writer, error_for(exc))
         except RequestError as exc:
+            self.metrics.error(exc)
             log.warning("rejected a request from %s: %s", source, exc)
             await send_quietly(writer, m.Error(message=str(exc)))
         except ConnectionError as exc:  # expected whenever a client quits mid-session: Ctrl-C, a closed socket
             log.info("a client went away mid-session (%s: %s)", type(exc).__name__, exc)
         except Exception as exc:  # a bug or a broken connection must cost one request, not the peer
             log.exception("request failed")
+            self.metrics.error(exc)
             await send_quietly(writer, m.Error(message=f"internal error on peer: {exc}"))
         finally:
             writer.close()
@@ -190,6 +199,7 @@ class StageServer:
             return request.nbytes
         if refused.retry_after is None:
             raise RequestError(f"open: peer {self.peer_id}: {refused.reason}")
+        self.metrics.refused_busy()
         raise PeerBusy(f"peer {self.peer_id} busy: {refused.reason}", self.peer_id, refused.retry_after)
 
     async def _serve_session(self, msg: m.Open, reader, writer, source: Source) -> None:
@@ -267,11 +277,13 @@ class StageServer:
                     f"{self.limits.idle_timeout:g} s without a step; open it again", self.peer_id,
                 ) from None
             except BadTensor as exc:
+                self.metrics.error(exc)
                 await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
 
     async def _on_frame(self, session: Session, frame, writer) -> bool:
         """One frame of a session; False at its Close. Its tensors go when this returns: nothing is
         held while the session waits for its next frame."""
+        arrived = time.perf_counter()
         header, tensor = frame
         message = m.from_header(header)
         if isinstance(message, m.Close):
@@ -285,18 +297,21 @@ class StageServer:
             inputs = session.check_step(message, tensor)
             out, seconds = await self.compute.forward(session, inputs)
         except RequestError as exc:
+            self.metrics.error(exc)
             await write(writer, m.to_header(m.Error(message=str(exc), step=message.step)))
             return True
         if session.training:
             self.compute.keep_graph(inputs)
         session.ran(message, inputs, seconds)
-        self.tokens_done += inputs.hidden.shape[0] * inputs.hidden.shape[1]
+        positions = inputs.hidden.shape[0] * inputs.hidden.shape[1]
+        self.tokens_done += positions
         timings = [*message.timings, (self.peer_id, seconds)]
         if session.downstream is not None:
             onward = m.to_header(dataclasses.replace(message, timings=timings))
             await self._send_onward(session, onward, session.pack(out))
         else:
             await write(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
+        self.metrics.step(session, arrived, seconds, positions)
         return True
 
     async def _on_adapter(self, session: Session, message: m.Adapter, flat: torch.Tensor | None) -> None:
@@ -322,16 +337,19 @@ class StageServer:
 
     async def _on_backward(self, session_id: str, message: m.Backward, grad: torch.Tensor | None, reply) -> None:
         """Compute a step's input gradient and send it upstream; a bad one answers with an Error."""
+        arrived = time.perf_counter()
         session = self.sessions.get(session_id)
         if session is None:
             # it ended here (its upstream went away): the client opens it again and replays
             gone = m.Error(message=f"backward: session {session_id} is no longer open here", step=message.step, code=m.EXPIRED)
+            self.metrics.error("expired")
             await send_quietly(reply, gone)
             return
         try:
             inputs, grad = session.take_saved(message.step, grad)
             (grad_in, param_grads), seconds = await self.compute.backward(session, inputs, grad)
         except RequestError as exc:
+            self.metrics.error(exc)
             await send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return
         session.backward_ran(seconds)
@@ -341,6 +359,7 @@ class StageServer:
             await write(session.upstream, header, pack(flatten(param_grads)))
         timings = [*message.timings, (self.peer_id, seconds)]
         await write(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
+        self.metrics.step(session, arrived, seconds, inputs.hidden.shape[0] * inputs.hidden.shape[1], backward=True)
 
     async def _serve_gradients(self, session_id: str, reader, writer) -> None:
         """On the client's stream to the last hop: take gradients until the client closes it, or
@@ -355,6 +374,7 @@ class StageServer:
                     continue
                 return
             except BadTensor as exc:
+                self.metrics.error(exc)
                 await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
                 continue
             except (EOFError, ConnectionError):

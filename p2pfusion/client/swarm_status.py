@@ -1,0 +1,136 @@
+"""What a swarm serves and how well, as JSON: the models, each one's layer coverage and gaps, its
+peers (state, layers, device, advertised and observed speed, load, backup role) and its bottleneck.
+
+`p2pfusion swarm` prints it and the HTTP API serves it (`GET /v1/swarm`), so both show the same.
+A record lives in the DHT for up to RECORD_TTL after its peer died, so each peer is asked whether it
+answers (its echo protocol, served from the moment it joins) before it is shown. A view is kept
+SNAPSHOT_TTL for whoever asks again meanwhile, so any number of open pages cost one DHT read and one
+round of pings per SNAPSHOT_TTL, and a killed peer is gone from the next page refresh after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from p2pfusion.client.health import PeerHealth, load_observed, save_observed
+from p2pfusion.client.probe import observe_peer
+from p2pfusion.dht.coverage import layer_throughputs
+from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState, span_throughput
+from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.errors import P2PFusionError
+from p2pfusion.net.probe import reachable
+
+log = logging.getLogger(__name__)
+
+PING_TIMEOUT = 2.0  # a live peer echoes in milliseconds; a killed one refuses the dial at once
+SNAPSHOT_TTL = 1.5  # seconds a view (reachability included) is shared by those who ask for it
+
+
+def ranges(layers: list[int]) -> list[list[int]]:
+    """Sorted layer indices as [start, end) runs."""
+    out: list[list[int]] = []
+    for layer in layers:
+        if out and out[-1][1] == layer:
+            out[-1][1] = layer + 1
+        else:
+            out.append([layer, layer + 1])
+    return out
+
+
+@dataclass
+class ModelView:
+    """One model's records (the live ones only) and this machine's observed speeds of its peers."""
+
+    entry: ModelEntry
+    records: list[PeerRecord]
+    observed: dict[str, float]
+
+    def to_dict(self) -> dict:
+        totals = layer_throughputs(self.records, self.entry.num_layers)
+        low = min(totals, default=0.0)
+        where = [i for i, t in enumerate(totals) if t == low]
+        peers = sorted(self.records, key=lambda r: (r.start, r.end, r.state.value, r.peer_id))
+        return {
+            "model": self.entry.name, "key": self.entry.key, "num_layers": self.entry.num_layers,
+            "layer_tokens_per_s": [round(t, 2) for t in totals],
+            "gaps": ranges([i for i, t in enumerate(totals) if t <= 0]),
+            "bottleneck_tokens_per_s": round(low, 2), "bottleneck_layers": ranges(where),
+            "peers": [self._peer(r) for r in peers],
+        }
+
+    def _peer(self, r: PeerRecord) -> dict:
+        seen = self.observed.get(r.peer_id)
+        stage = [p for p in self.records if (p.start, p.end) == (r.start, r.end) and p.peer_id != r.peer_id]
+        return {
+            "peer_id": r.peer_id, "layers": [r.start, r.end], "state": r.state.value, "device": r.device,
+            "advertised_tokens_per_s": round(r.throughput, 2),
+            "observed_tokens_per_s": None if seen is None else round(span_throughput(seen, None, r.span), 2),
+            "load_tokens_per_s": round(r.load, 2),
+            "sessions": r.sessions, "queued": r.queued, "cache_used": r.cache_used, "cache_total": r.cache_total,
+            "max_length": r.max_length,
+            "moving_to": list(r.moving_to) if r.moving_to else None,
+            # a backup takes over from the serving peers of its layers; a serving peer, from its layers' backups
+            "backup_for": [p.peer_id for p in stage if p.serving] if r.state == PeerState.BACKUP else None,
+            "backed_up_by": [p.peer_id for p in stage if p.state == PeerState.BACKUP] if r.serving else None,
+        }
+
+
+async def answering(swarm: SwarmNode, records: list[PeerRecord]) -> list[PeerRecord]:
+    """The records whose peers answer an echo now, all asked at once."""
+    transport = swarm.transport
+    answers = await asyncio.gather(*(reachable(transport, r.peer_id, r.data_addrs, PING_TIMEOUT) for r in records))
+    for record, answered in zip(records, answers):
+        if not answered:
+            log.debug("peer %s does not answer: left out of the swarm's view", record.peer_id)
+    return [r for r, answered in zip(records, answers) if answered]
+
+
+class SwarmStatus:
+    """The swarm's view for one client: `healths` holds the PeerHealth of the models it generates
+    with (their observed speeds are fresh); other models' speeds are what this machine saved."""
+
+    def __init__(self, swarm: SwarmNode, healths: dict[str, PeerHealth] | None = None):
+        self.swarm = swarm
+        self.healths = dict(healths or {})
+        self._lock = asyncio.Lock()
+        self._snapshot: tuple[float, dict] | None = None
+
+    def health(self, key: str) -> PeerHealth:
+        if key not in self.healths:
+            self.healths[key] = PeerHealth(observed=load_observed(key))
+        return self.healths[key]
+
+    async def view(self, entry: ModelEntry, probe: bool = False) -> dict:
+        """One model's view. `probe` first times each live peer from here (a short session each)."""
+        listed = [r for r in await self.swarm.lookup(entry.key) if r.state != PeerState.OFFLINE]
+        records = await answering(self.swarm, listed)
+        health = self.health(entry.key)
+        if probe:
+            for record in records:
+                try:
+                    await observe_peer(self.swarm, record, entry.hidden_size, health)
+                except (P2PFusionError, OSError, TimeoutError) as exc:  # shown with no fresh observation
+                    log.warning("could not probe %s: %s", record.peer_id, exc)
+            save_observed(entry.key, health.observed)
+        return ModelView(entry, records, dict(health.observed)).to_dict()
+
+    async def views(
+        self, choose: Callable[[list[ModelEntry]], list[ModelEntry]] | None = None, probe: bool = False
+    ) -> list[dict]:
+        """The views of the models the swarm lists (those `choose` picks, if given), by name then key."""
+        listed = await self.swarm.models()
+        entries = listed if choose is None else choose(listed)
+        return list(await asyncio.gather(*(self.view(e, probe) for e in entries)))
+
+    async def snapshot(self) -> dict:
+        """`{"models": [...]}`, shared by callers within SNAPSHOT_TTL of each other."""
+        async with self._lock:
+            now = time.monotonic()
+            if self._snapshot is None or now - self._snapshot[0] >= SNAPSHOT_TTL:
+                views = await self.views()
+                self._snapshot = (time.monotonic(), {"models": views})
+            return self._snapshot[1]

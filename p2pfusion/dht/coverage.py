@@ -1,0 +1,26 @@
+"""How well a model's layers are served, read from its peers' records: shared by the peers'
+balancing (peer/balance.py) and the clients' view of the swarm (client/swarm_status.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import replace
+
+from p2pfusion.dht.records import PeerRecord
+
+
+def planned(r: PeerRecord) -> PeerRecord:
+    """The record as it will be once its move (if any) is done: balancing plans for that swarm."""
+    if r.moving_to is None:
+        return r
+    return replace(r, start=r.moving_to[0], end=r.moving_to[1], moving_to=None)
+
+
+def layer_throughputs(records: Iterable[PeerRecord], num_layers: int) -> list[float]:
+    """Summed throughput of the serving (online or joining) peers at each layer; backups add nothing."""
+    totals = [0.0] * num_layers
+    for r in map(planned, records):
+        if r.serving:
+            for layer in range(r.start, min(r.end, num_layers)):
+                totals[layer] += r.throughput
+    return totals

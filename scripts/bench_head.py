@@ -1,0 +1,69 @@
+"""The client's greedy head for several sessions at once: screened row by row, or one float32 product.
+
+`client/head_batch.py` chooses the greedy tokens of the sessions that ask in the same turn of the
+loop together; this measures what each way costs on the default model's head (49,152 x 576), one
+thread, for 1 to 16 rows: the float16 screen one row at a time (`ScreenedHead.next_token`),
+`torch.nn.functional.linear` over all rows, and the product with the vocabulary as the left operand
+(`ScreenedHead.next_tokens`). The three take turns within each repetition, so a busy moment of a
+shared machine hits them alike; the medians are printed, with ratios to `linear`.
+
+    .venv/bin/python scripts/bench_head.py [--reps 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from p2pfusion.client.head import screened_head
+from p2pfusion.models.source import resolve_model
+from transformers import AutoModelForCausalLM
+
+ROWS = (1, 2, 4, 8, 16)
+
+
+def timed(fn, repeat: int = 5) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args()
+    source = resolve_model(None)
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32)
+    screen = screened_head(model)
+    if screen is None:
+        sys.exit("the default model's head cannot be screened")
+    torch.set_num_threads(1)
+    weight = screen.weight
+    times: dict[tuple[str, int], list[float]] = {}
+    with torch.inference_mode():
+        for _ in tqdm(range(args.reps), desc="repetitions", file=sys.stderr):
+            for rows in ROWS:
+                x = torch.randn(rows, weight.shape[1]) * 0.05
+                ways = {
+                    "screen per row": lambda: [screen.next_token(row) for row in x],
+                    "linear": lambda: torch.nn.functional.linear(x, weight),
+                    "vocabulary on the left": lambda: screen.next_tokens(x),
+                }
+                for name, fn in ways.items():
+                    times.setdefault((name, rows), []).append(timed(fn))
+    print(f"{'rows':>4} | {'screen per row':>15} | {'linear':>8} | {'vocabulary on the left':>22} | left vs linear")
+    for rows in ROWS:
+        medians = {name: statistics.median(values) for (name, r), values in times.items() if r == rows}
+        print(f"{rows:>4} | {medians['screen per row']:>12.1f} ms | {medians['linear']:>5.1f} ms | "
+              f"{medians['vocabulary on the left']:>19.1f} ms | {medians['vocabulary on the left'] / medians['linear']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
