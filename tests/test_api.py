@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
-import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,15 +29,14 @@ from p2pfusion.client.stops import StopText
 from p2pfusion.client.swarm_lm import SwarmLM
 from p2pfusion.models.source import ModelSource, resolve_model
 from tests.conftest import COMMON, reference_model
+from tests.api_process import api_url, launch_api
 from tests.swarm import peers_in_background
-from tests.test_cli_errors import CLI
 from tests.tiny_chat import char_tokenizer
 
 POSITIONS = 8192  # room for a reply that lasts long after the disconnect test is done with it
 TOKENS = 8
 KEY = "sesame"
 PEER_OPTIONS = ["--throughput", "100", "--max-length", str(POSITIONS)]
-READY_WITHIN = 120.0
 
 
 def _chat_model(folder: Path, seed: int) -> ModelSource:
@@ -50,18 +47,6 @@ def _chat_model(folder: Path, seed: int) -> ModelSource:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     char_tokenizer(256).save_pretrained(folder)
     return resolve_model(str(folder))
-
-
-def _url_in(log: Path, proc: subprocess.Popen) -> str:
-    deadline = time.monotonic() + READY_WITHIN
-    while time.monotonic() < deadline:
-        found = re.search(r"API at (http://\S+/v1)", log.read_text())
-        if found:
-            return found.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"p2pfusion api exited: {log.read_text()[-2000:]}")
-        time.sleep(0.1)
-    raise RuntimeError(f"p2pfusion api did not start: {log.read_text()[-2000:]}")
 
 
 async def _serve_in_process(lm: SwarmLM, api_key: str):
@@ -114,17 +99,13 @@ def swarm(tmp_path_factory):
         api = None
         try:
             started = [peers.launch((0, 2), PEER_OPTIONS), peers.launch((2, 4), PEER_OPTIONS)]
-            with open(api_log, "w") as log:
-                api = subprocess.Popen(
-                    [*CLI, "api", "--initial-peers", maddrs[0], "--model", str(a.folder), "--port", "0"],
-                    stdout=subprocess.DEVNULL, stderr=log,
-                )
+            api = launch_api(["--initial-peers", maddrs[0], "--model", str(a.folder)], api_log)
             lm = loop.run(SwarmLM.connect(maddrs, b, verify=0.0))
             http, task, gap_url = loop.run(_serve_in_process(lm, KEY))
             try:
                 for proc in started:
                     peers.wait_ready(proc)
-                yield Swarm(a, b, _url_in(api_log, api), gap_url, loop, lm)
+                yield Swarm(a, b, api_url(api, api_log) + "/v1", gap_url, loop, lm)
             finally:
                 loop.run(_stop_server(http, task))
                 loop.run(lm.close())

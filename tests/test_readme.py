@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
-from tests.test_api import _url_in
-from tests.test_cli_errors import CLI
+from tests.api_process import api_url, launch_api
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -28,11 +27,9 @@ def test_readme_python_snippets_run(default_model, tmp_path):
         swarm.start(even_ranges(30, 3))
         # the README's first peer writes its addresses with `--address-file peer1.addr`
         shutil.copy(swarm.workdir / "peer0.addr", tmp_path / "peer1.addr")
-        with open(tmp_path / "api.log", "w") as log:
-            api = subprocess.Popen([*CLI, "api", "--initial-peers", swarm.maddrs[0], "--port", "0"],
-                                   stdout=subprocess.DEVNULL, stderr=log)
+        api = launch_api(["--initial-peers", swarm.maddrs[0]], tmp_path / "api.log")
         try:
-            url = _url_in(tmp_path / "api.log", api).removesuffix("/v1")
+            url = api_url(api, tmp_path / "api.log")
             for i, block in enumerate(blocks):
                 script = tmp_path / f"readme_{i}.py"
                 script.write_text(block.replace("http://127.0.0.1:8000", url))

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,6 +21,7 @@ from transformers import AutoTokenizer
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.swarm_status import SNAPSHOT_TTL
 from p2pfusion.models.source import ModelSource
+from tests.api_process import api_url, launch_api
 from tests.conftest import reference_model
 from tests.tiny_chat import with_chat_tokenizer
 
@@ -30,7 +29,6 @@ CHROMIUM = "/usr/bin/chromium"
 KEY = "web-test-key"
 REPLY = 8  # tokens per reply at most
 PEER_OPTIONS = ["--throughput", "100"]  # no benchmark: the peers start sooner
-START_TIMEOUT = 120.0
 SWARM_PERIOD = 2.0  # the dashboard's refresh period (SWARM_PERIOD_MS in static/app.js)
 MARGIN = 2.0  # a refresh's own time on a busy 2-core machine, and the test's polling
 
@@ -46,12 +44,6 @@ class Site:
     shots: Path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _get(url: str, key: str | None = KEY) -> tuple[int, dict]:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
     try:
@@ -59,19 +51,6 @@ def _get(url: str, key: str | None = KEY) -> tuple[int, dict]:
             return response.status, json.load(response)
     except urllib.error.HTTPError as exc:
         return exc.code, json.load(exc)
-
-
-def _wait_for_api(api: subprocess.Popen, url: str, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT
-    while time.monotonic() < deadline:
-        if api.poll() is not None:
-            pytest.fail(f"p2pfusion api exited with code {api.returncode}: {log.read_text()[-2000:]}")
-        try:
-            if _get(f"{url}/v1/models")[0] == 200:
-                return
-        except OSError:  # not listening yet
-            time.sleep(0.2)
-    pytest.fail(f"p2pfusion api did not serve within {START_TIMEOUT:.0f} s: {log.read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +65,11 @@ def site(tiny_models, tmp_path_factory):
         first = swarm.launch((0, 2), PEER_OPTIONS)
         swarm.wait_ready(first)
         second = swarm.launch((2, 4), PEER_OPTIONS)
-        url, log = f"http://127.0.0.1:{_free_port()}", work / "api.log"
-        with open(log, "w") as err:  # the API loads its model while the second peer loads its layers
-            api = subprocess.Popen(
-                [sys.executable, "-m", "p2pfusion.cli.main", "api", "--model", str(source.folder),
-                 "--initial-peers", swarm.maddrs[0], "--port", url.rsplit(":", 1)[1], "--api-key", KEY],
-                stdout=subprocess.DEVNULL, stderr=err,
-            )
+        log = work / "api.log"  # the API loads its model while the second peer loads its layers
+        api = launch_api(["--model", str(source.folder), "--initial-peers", swarm.maddrs[0], "--api-key", KEY], log)
         try:
             second_maddrs = swarm.wait_ready(second)
-            _wait_for_api(api, url, log)
+            url = api_url(api, log)
             peer_ids = [m.rsplit("/p2p/", 1)[1] for m in (swarm.maddrs[0], second_maddrs[0])]
             with sync_playwright() as playwright:
                 browser = playwright.chromium.launch(
