@@ -15,7 +15,7 @@ from p2pfusion.peer.runtime import Peer, PeerOptions
 async def start_peer(source: ModelSource, initial: list[str], layers=None, **options) -> Peer:
     """A started peer; `throughput` defaults to a fixed figure so tests do not depend on the machine."""
     options.setdefault("throughput", "100")
-    swarm = await join_swarm(initial)
+    swarm = await join_swarm(initial, secret=options.get("swarm_secret"))
     peer = Peer(PeerOptions(source=source, initial_peers=initial, layers=layers, **options), swarm)
     await peer.start()
     return peer

@@ -15,10 +15,12 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.upkeep import Upkeep
 from tests.conftest import reference_model
 from tests.swarm import running_peers, start_peer, stop_peer
+from tests.tiny_chat import with_chat_tokenizer
 
 KILL_AT = 8  # tokens into the generation
 PROMOTION_POLLS = 20  # seconds to wait for the replacement to announce itself online
 FIXED = ["--throughput", "100"]  # skip the benchmark: these tests are about churn, not speed
+MIDDLE = (1, 3)  # the stage killed mid-generation, of the tiny 4-layer Llama
 
 
 def _reference(source, ids, tokens=32):
@@ -48,13 +50,19 @@ def _peer_id(maddrs: list[str]) -> str:
     return maddrs[0].rsplit("/p2p/", 1)[1]
 
 
+@pytest.fixture(scope="module")
+def llama(tiny_models, tmp_path_factory):
+    """The tiny Llama with a tokenizer: a generation decodes its text at the end."""
+    return with_chat_tokenizer(tiny_models["llama"], tmp_path_factory.mktemp("churn") / "llama")
+
+
 def _kill_middle_during_generation(source, with_backup: bool):
-    ids = RemoteCausalLM(source).encode("Write a short story about a robot who learns to paint.", chat=True)
-    with LocalSwarm(model=None) as swarm:
-        first = swarm.launch((0, 10), FIXED)
+    ids = list(range(3, 19))
+    with LocalSwarm(model=str(source.folder)) as swarm:
+        first = swarm.launch((0, 1), FIXED)
         swarm.wait_ready(first)
-        middle, last = swarm.launch((10, 20), FIXED), swarm.launch((20, 30), FIXED)
-        extra = [swarm.launch((10, 20), [*FIXED, "--backup"])] if with_backup else []
+        middle, last = swarm.launch(MIDDLE, FIXED), swarm.launch((3, 4), FIXED)
+        extra = [swarm.launch(MIDDLE, [*FIXED, "--backup"])] if with_backup else []
         for proc in (middle, last, *extra):
             swarm.wait_ready(proc)
         joined = []
@@ -64,7 +72,7 @@ def _kill_middle_during_generation(source, with_backup: bool):
                 middle.kill()  # SIGKILL: no goodbye, no offline record
                 if not with_backup:
                     # a volunteer arrives without --layers; it must find the gap by itself
-                    joined.append(swarm.launch(None, [*FIXED, "--max-layers", "10"]))
+                    joined.append(swarm.launch(None, [*FIXED, "--max-layers", "2"]))
             on_token.count += 1
 
         on_token.count = 0
@@ -80,20 +88,18 @@ def _kill_middle_during_generation(source, with_backup: bool):
     return ids, result, states, states[replacement]
 
 
-@pytest.mark.slow
-def test_kill_middle_peer_with_backup_gives_identical_tokens(default_model):
-    ids, result, _, replacement = _kill_middle_during_generation(default_model, with_backup=True)
-    assert result.token_ids == _reference(default_model, ids) and len(result.token_ids) == 32
+def test_kill_middle_peer_with_backup_gives_identical_tokens(llama):
+    ids, result, _, replacement = _kill_middle_during_generation(llama, with_backup=True)
+    assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
     assert result.recoveries >= 1
-    assert replacement == (10, 20, "online")  # the backup promoted itself
+    assert replacement == (*MIDDLE, "online")  # the backup promoted itself
 
 
-@pytest.mark.slow
-def test_kill_middle_peer_without_backup_newcomer_fills_the_gap(default_model):
-    ids, result, states, replacement = _kill_middle_during_generation(default_model, with_backup=False)
-    assert result.token_ids == _reference(default_model, ids) and len(result.token_ids) == 32
-    assert replacement == (10, 20, "online")  # the newcomer took exactly the killed peer's layers
-    assert (0, 10, "online") in states.values()
+def test_kill_middle_peer_without_backup_newcomer_fills_the_gap(llama):
+    ids, result, states, replacement = _kill_middle_during_generation(llama, with_backup=False)
+    assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
+    assert replacement == (*MIDDLE, "online")  # the newcomer took exactly the killed peer's layers
+    assert (0, 1, "online") in states.values()
 
 
 def test_new_peer_picks_the_weak_stage(tiny_models):

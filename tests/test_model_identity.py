@@ -105,7 +105,7 @@ async def _through_a_swarm_of(served, asked, other, capsys):
                 await RemoteCausalLM(other, swarm).generate(IDS, 8, stop_at_eos=False, decode=False)
         finally:
             await swarm.shutdown()
-        await show_swarm(argparse.Namespace(initial_peers=maddrs, model=str(asked.folder), json=True, probe=True))
+        await show_swarm(argparse.Namespace(initial_peers=maddrs, model=str(asked.folder), json=True, probe=True, swarm_secret=None))
         view = json.loads(capsys.readouterr().out)
         cli = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "p2pfusion.cli.main", "swarm", "--model", str(other.folder),

@@ -42,6 +42,8 @@ def create_app(lm: SwarmLM, model_names: Sequence[str], api_key: str | None = No
         core = lm.core
         total = core.config.num_hidden_layers
         online = usable(await core.swarm.lookup(core.source.key))
+        if core.trusted is not None:  # the peers this API may route through
+            online = [r for r in online if r.peer_id in core.trusted]
         gaps = missing_layers(online, total)
         coverage = schemas.Coverage(
             layers=total, served=total - sum(end - start for start, end in gaps), gaps=gaps, peers=len(online)

@@ -22,9 +22,11 @@ from typing import TextIO
 import torch
 
 from p2pfusion.cli.commands import StreamingDecoder, client_model, join
-from p2pfusion.client.generation import Conversation, Generated, RemoteCausalLM
+from p2pfusion.client.conversation import Conversation, Generated
+from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.errors import RequestError
+from p2pfusion.net.secret import load_secret
 
 log = logging.getLogger("p2pfusion")
 
@@ -133,12 +135,13 @@ def _terminal_lines() -> Iterator[str]:
 
 def chat(args, started: float) -> None:
     """`started`: when the command started (perf_counter), for the progress lines."""
+    secret = load_secret(args.swarm_secret)
     model = client_model(args)
     model.require_chat_template()
     log.info("loaded %s in %.1f s", model.source.name, time.perf_counter() - started)
     loop = BackgroundLoop("p2pfusion-chat")
     try:
-        swarm = loop.run(join(model, args.initial_peers))
+        swarm = loop.run(join(model, args.initial_peers, secret))
         session = Chat(model, loop, args.max_new_tokens, args.temperature, args.seed, args.system)
         try:
             if sys.stdin.isatty():

@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 from typing import TextIO
 
 from p2pfusion.client.adapters import Adapter
@@ -20,6 +21,7 @@ from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
 from p2pfusion.net.compression import AUTO
+from p2pfusion.net.secret import SwarmSecret, load_secret
 from p2pfusion.peer.runtime import PeerOptions
 from p2pfusion.peer.service import serve
 
@@ -27,6 +29,7 @@ log = logging.getLogger("p2pfusion")
 
 
 async def run_peer(args, device: str) -> None:
+    secret = load_secret(args.swarm_secret)  # a bad file fails before the model loads
     source = resolve_model(args.model)
     config = load_config(source)
     if args.layers is not None and args.layers[1] > config.num_hidden_layers:
@@ -58,6 +61,7 @@ async def run_peer(args, device: str) -> None:
         idle_timeout=float(args.idle_timeout),
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
+        swarm_secret=secret,
     )
 
     def ready(maddrs: list[str]) -> None:
@@ -81,15 +85,18 @@ def _check_device(device: str) -> None:
 
 def client_model(args) -> RemoteCausalLM:
     """The client's part of the model (embeddings, head, tokenizer) and the user's adapter."""
-    model = RemoteCausalLM(resolve_model(args.model), compression=args.compression, verify=args.verify)
+    model = RemoteCausalLM(
+        resolve_model(args.model), compression=args.compression, verify=args.verify, trusted_peers=args.trusted_peers,
+        local_layers=args.local_layers,
+    )
     if args.adapter is not None:
         model.adapter = Adapter.load(args.adapter, model.config, model.source)
     return model
 
 
-async def join(model: RemoteCausalLM, initial_peers: list[str]) -> SwarmNode:
+async def join(model: RemoteCausalLM, initial_peers: list[str], secret: SwarmSecret | None = None) -> SwarmNode:
     t0 = time.perf_counter()
-    model.swarm = await join_swarm(initial_peers, client_mode=True)
+    model.swarm = await join_swarm(initial_peers, client_mode=True, secret=secret)
     log.info("joined the swarm in %.1f s", time.perf_counter() - t0)
     return model.swarm
 
@@ -98,10 +105,11 @@ async def infer(args, started: float) -> None:
     """`started`: when the command started (perf_counter), for the progress lines."""
     if not args.prompt.strip():
         raise RequestError("the prompt is empty")
+    secret = load_secret(args.swarm_secret)
     model = client_model(args)
     ids = model.encode(args.prompt, args.chat)
     log.info("loaded %s in %.1f s; prompt: %d tokens", model.source.name, time.perf_counter() - started, len(ids))
-    swarm = await join(model, args.initial_peers)
+    swarm = await join(model, args.initial_peers, secret)
     try:
         decoder = StreamingDecoder(model.tokenizer)
         result = await model.generate(ids, args.max_new_tokens, args.temperature, args.seed, decoder.push)
@@ -120,18 +128,25 @@ async def api(args) -> None:
     from p2pfusion.api.app import listen
 
     sock = listen(args.host, args.port)
-    await serve_api(sock, args.initial_peers, args.model, args.api_key, args.compression, args.verify)
+    await serve_api(
+        sock, args.initial_peers, args.model, args.api_key, args.compression, args.verify,
+        swarm_secret=load_secret(args.swarm_secret), trusted_peers=args.trusted_peers, local_layers=args.local_layers,
+    )
 
 
 async def serve_api(
     sock: socket.socket, initial_peers: list[str], model: str | None, api_key: str | None = None,
-    compression: str = AUTO, verify: float = DEFAULT_RATE,
+    compression: str = AUTO, verify: float = DEFAULT_RATE, swarm_secret: SwarmSecret | None = None,
+    trusted_peers: Path | None = None, local_layers: int = 0,
 ) -> None:
     """The OpenAI-compatible API on `sock` (listening) until SIGINT or SIGTERM, in this loop with its swarm client."""
     # fastapi and uvicorn load for this command only, not for every peer
     from p2pfusion.api.app import base_url, create_app, model_names, server
 
-    lm = await SwarmLM.connect(initial_peers, model, compression=compression, verify=verify)
+    lm = await SwarmLM.connect(
+        initial_peers, model, compression=compression, verify=verify, swarm_secret=swarm_secret,
+        trusted_peers=trusted_peers, local_layers=local_layers,
+    )
     try:
         http = server(create_app(lm, model_names(lm), api_key))
         loop = asyncio.get_running_loop()

@@ -1,4 +1,4 @@
-"""`p2pfusion demo`: 3 local peers serve the default model; one private inference runs through them,
+"""`p2pfusion demo`: 3 local peers serve the default model; one inference runs through them,
 or (`--api`) the OpenAI-compatible API serves them until Ctrl-C."""
 
 from __future__ import annotations

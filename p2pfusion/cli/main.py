@@ -1,4 +1,4 @@
-"""The `p2pfusion` command: run-peer, infer, chat, api, swarm, demo. Logs go to stderr; results go to stdout.
+"""The `p2pfusion` command: run-peer, infer, chat, api, swarm, swarm-secret, demo. Logs to stderr, results to stdout.
 
 Only the standard library is imported up front: torch and transformers take seconds to import, so
 a command says what it is doing before it imports them.
@@ -7,15 +7,30 @@ a command says what it is doing before it imports them.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
-import math
 import os
 import sys
 import time
 from pathlib import Path
 
 from p2pfusion import __version__
+from p2pfusion.cli.options import (
+    COMPRESSION,
+    INITIAL_PEERS,
+    LOCAL_LAYERS,
+    PORT,
+    PRIVACY,
+    SWARM_SECRET,
+    TRUSTED_PEERS,
+    VERIFY,
+    api_key,
+    ip_address,
+    layer_range,
+    mebibytes,
+    temperature,
+    throughput,
+    whole_number,
+)
 from p2pfusion.errors import P2PFusionError
 
 log = logging.getLogger("p2pfusion")
@@ -37,135 +52,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def whole_number(minimum: int, maximum: int | None = None):
-    """An argument type: a whole number in [minimum, maximum]."""
-    bounds = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < minimum or (maximum is not None and value > maximum):
-            raise argparse.ArgumentTypeError(f"expected a whole number {bounds}, got {text!r}")
-        return value
-
-    return parse
-
-
-PORT = whole_number(0, 65535)
-
-
-def temperature(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
-
-
-def layer_range(text: str) -> tuple[int, int]:
-    try:
-        start, end = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected START:END, got {text!r}") from None
-    if not 0 <= start < end:
-        raise argparse.ArgumentTypeError(f"layer range {text} is empty or negative")
-    return start, end
-
-
-def ip_address(text: str) -> str:
-    try:
-        return str(ipaddress.ip_address(text))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an IP address: {text!r}") from None
-
-
-def maddr_list(text: str) -> list[str]:
-    maddrs = [m.strip() for m in text.split(",") if m.strip()]
-    for maddr in maddrs:
-        if not maddr.startswith("/") or "/p2p/" not in maddr:
-            raise argparse.ArgumentTypeError(f"not a peer multiaddr (/ip4/HOST/tcp/PORT/p2p/PEER_ID): {maddr!r}")
-    return maddrs
-
-
-def throughput(text: str) -> str:
-    if text in ("auto", "eval"):
-        return text
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected auto, eval or a positive number, got {text!r}")
-    return text
-
-
-def mebibytes(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number of MiB >= 0, got {text!r}")
-    return value << 20
-
-
-# One address per flag (repeatable, or comma-separated), so a trailing prompt is never taken for one.
-INITIAL_PEERS = dict(
-    type=maddr_list, action="extend", metavar="MADDR", help="multiaddr of a swarm peer (repeat for more)"
-)
-
-
-def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a probability from 0 to 1, got {text!r}")
-    return value
-
-
-def compression(text: str) -> str:
-    if text == "auto":  # the default, parsed on every run: checking it must not import torch (the codecs do)
-        return text
-    from p2pfusion.net.compression import parse_compression
-
-    try:
-        return parse_compression(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-COMPRESSION = dict(
-    type=compression, default="auto", metavar="auto|none|float16|bfloat16|int8|topk",
-    help="codec of hidden states on the wire; auto picks per link from its measured speed",
-)
-
-
-VERIFY = dict(
-    type=probability, default=0.05, metavar="RATE",
-    help="chance that a step's results are checked against other peers (0: never); a generation's end always is",
-)
-
-
-def api_key(text: str) -> str:
-    if not text or any(c.isspace() for c in text):
-        raise argparse.ArgumentTypeError("an API key is a non-empty word without spaces")
-    return text
-
-
 def _device(args) -> str:
     if args.gpu is not None:
         return f"cuda:{args.gpu}"
     return args.device
 
 
-def _command(sub, name: str, summary: str) -> argparse.ArgumentParser:
-    command = sub.add_parser(name, help=summary, description=summary, formatter_class=_HelpFormatter)
+def _command(sub, name: str, summary: str, epilog: str | None = None) -> argparse.ArgumentParser:
+    command = sub.add_parser(name, help=summary, description=summary, epilog=epilog, formatter_class=_HelpFormatter)
     # also after the command's name; SUPPRESS keeps a -v given before it
     command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="debug logs on stderr")
     return command
@@ -185,6 +79,9 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     command.add_argument("--compression", **COMPRESSION)
     command.add_argument("--verify", **VERIFY)
     command.add_argument("--adapter", type=Path, metavar="PATH", help="a trained adapter (PEFT format) to generate with")
+    command.add_argument("--swarm-secret", **SWARM_SECRET)
+    command.add_argument("--trusted-peers", **TRUSTED_PEERS)
+    command.add_argument("--local-layers", **LOCAL_LAYERS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,17 +170,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-host", type=ip_address, default="127.0.0.1", metavar="IP",
         help="IP address the metrics listen on: 127.0.0.1 serves this machine only",
     )
+    peer.add_argument("--swarm-secret", **SWARM_SECRET)
 
-    infer = _command(sub, "infer", "private inference through the swarm")
+    infer = _command(sub, "infer", "inference through the swarm; the text stays here, hidden states go to peers", PRIVACY)
     infer.add_argument("prompt", help="the text to continue (with --chat, the user's message)")
     _generation_options(infer, 64, "to generate")
     infer.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
 
-    chat = _command(sub, "chat", "chat in the terminal with the model, through the swarm")
+    chat = _command(sub, "chat", "chat in the terminal with the model, through the swarm", PRIVACY)
     _generation_options(chat, 256, "per reply")
     chat.add_argument("--system", metavar="PROMPT", help="a system message to start the conversation with")
 
-    api = _command(sub, "api", "serve an OpenAI-compatible HTTP API (and a web chat) for a model, through the swarm")
+    api = _command(
+        sub, "api", "serve an OpenAI-compatible HTTP API (and a web chat) for a model, through the swarm", PRIVACY
+    )
     api.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
     api.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
     api.add_argument(
@@ -296,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api.add_argument("--compression", **COMPRESSION)
     api.add_argument("--verify", **VERIFY)
+    api.add_argument("--swarm-secret", **SWARM_SECRET)
+    api.add_argument("--trusted-peers", **TRUSTED_PEERS)
+    api.add_argument("--local-layers", **LOCAL_LAYERS)
 
     view = _command(sub, "swarm", "show a swarm's stages, peers and bottleneck")
     view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
@@ -306,8 +209,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     view.add_argument("--json", action="store_true", help="print JSON for scripts")
     view.add_argument("--no-probe", dest="probe", action="store_false", help="do not time each peer from here")
+    view.add_argument("--swarm-secret", **SWARM_SECRET)
 
-    demo = _command(sub, "demo", "a local swarm of the default model: one private inference, or (--api) the HTTP API")
+    secret = _command(sub, "swarm-secret", "write a new secret for a private swarm (mode 0600; never overwrites)")
+    secret.add_argument("file", type=Path, metavar="FILE", help="where to write it; must not exist")
+
+    demo = _command(sub, "demo", "a local swarm of the default model: one inference, or (--api) the HTTP API")
     demo.add_argument("--prompt", default="What is the capital of France?", help="the user's message")
     demo.add_argument("--max-new-tokens", type=whole_number(1), default=48, metavar="N", help="most tokens to generate")
     demo.add_argument(
@@ -379,6 +286,11 @@ def main(argv: list[str] | None = None) -> int:
             from p2pfusion.cli.swarm_view import show_swarm
 
             _run(show_swarm(args))
+        elif args.command == "swarm-secret":
+            from p2pfusion.net.secret import create_secret_file
+
+            path = create_secret_file(args.file)
+            print(f"wrote a new swarm secret to {path}: give each peer and client of the swarm --swarm-secret {path}")
         else:
             from p2pfusion.cli.demo import demo
 

@@ -18,6 +18,7 @@ from p2pfusion.dht.records import ModelEntry
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
 from p2pfusion.models.source import resolve_model
+from p2pfusion.net.secret import load_secret
 
 MIB = 1 << 20
 
@@ -74,7 +75,7 @@ def chosen_models(model: str, listed: list[ModelEntry]) -> list[ModelEntry]:
 
 
 async def show_swarm(args) -> None:
-    swarm = await join_swarm(args.initial_peers, client_mode=True)
+    swarm = await join_swarm(args.initial_peers, client_mode=True, secret=load_secret(args.swarm_secret))
     try:
         choose = None if args.model is None else (lambda listed: chosen_models(args.model, listed))
         views = await SwarmStatus(swarm).views(choose, probe=args.probe)

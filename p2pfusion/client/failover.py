@@ -32,6 +32,7 @@ from p2pfusion.client.reach import SCREEN_CONCURRENCY, ReachBook
 from p2pfusion.client.routing import expected_throughput, find_route, usable
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.client.trust import FalseClaim
+from p2pfusion.client.trusted import TrustedGap, trusted_records
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
@@ -64,6 +65,8 @@ class SwarmAccess:
     # peers this client will not route through: caught computing wrong results, by its own
     # verification or by enough other clients' reports (p2pfusion.client.verify)
     distrusted: set[str] = field(default_factory=set)
+    # the only peers routes, failovers and checks may use (client/trusted.py); None: any peer
+    trusted: frozenset[str] | None = None
     reach: ReachBook = field(default_factory=ReachBook)  # peers that answered this client's pings
     routed: Counter[str] = field(default_factory=Counter)  # peer id -> this client's sessions open through it
     _said: dict[str, float] = field(default_factory=dict)  # notice kind -> when it was last logged
@@ -76,11 +79,21 @@ class SwarmAccess:
             self._said[kind] = now
             log.warning("%s", text)
 
+    async def records(self, first: int = 0) -> list[PeerRecord]:
+        """The model's records that routing may use: every place that routes reads them here. With
+        a trusted set, only its peers' records, or a TrustedGap when they no longer serve a layer
+        from `first` on (the layers before it run on the client)."""
+        records = await model_records(self.swarm, self.model, self.name)
+        if self.trusted is None:
+            return records
+        down = self.health.banned(records) | self.distrusted
+        return trusted_records(records, self.trusted, self.num_layers, self.name, down, first)
+
     def session(
         self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE,
-        batch: int = 1,
+        batch: int = 1, first: int = 0,
     ) -> ResilientSession:
-        return ResilientSession(self, max_length, params, purpose, batch)
+        return ResilientSession(self, max_length, params, purpose, batch, first)
 
 
 class ResilientSession:
@@ -91,12 +104,14 @@ class ResilientSession:
         params: RemoteParameters | None = None,
         purpose: Purpose = Purpose.INFERENCE,
         batch: int = 1,
+        first: int = 0,
     ):
         self.access = access
         self.max_length = max_length
         self.params = params  # the adapter every route of this session gets
         self.purpose = purpose
         self.batch = batch  # sequences per step the peers make room for; a wider step opens again
+        self.first = first  # the layer routes start at: the client runs those before it (client/local_layers.py)
         self.session: InferenceSession | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0
@@ -120,7 +135,7 @@ class ResilientSession:
             delay = RETRY_DELAY
             try:
                 access = self.access
-                records = await model_records(access.swarm, access.model, access.name)
+                records = await access.records(self.first)
                 self._known = {r.peer_id: r for r in records}
                 avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | access.health.skipped()
                 route = await self._route(records, avoid, recovering)
@@ -136,6 +151,8 @@ class ResilientSession:
                 await self.drop()
                 self.failed(exc)
                 last, recovering = exc, True
+            except TrustedGap:  # no trusted peer to wait for, and other peers are never an option
+                raise
             except RouteError as exc:
                 room = access.health.room_at()
                 if not recovering and room is None:
@@ -162,14 +179,15 @@ class ResilientSession:
         deadline = time.monotonic() + SCREEN_BUDGET
         while True:
             route = find_route(
-                records, access.num_layers, observed, avoid, backups, self.max_length, reach.rtts, self.batch, access.routed
+                records, access.num_layers, observed, avoid, backups, self.max_length, reach.rtts, self.batch, access.routed,
+                self.first,
             )
             unpinged = [r for r in route if not reach.fresh(r.peer_id)]
             if not unpinged or time.monotonic() > deadline:
                 return route
             named = {r.peer_id for r in unpinged}
             others = [r for r in usable(records, avoid, backups, self.max_length)
-                      if r.peer_id not in named and not reach.fresh(r.peer_id)]
+                      if r.peer_id not in named and not reach.fresh(r.peer_id) and r.start >= self.first]
             others.sort(key=lambda r: -expected_throughput(r, observed) * r.span)  # the likeliest next choices
             silent = await reach.screen(access.swarm.transport, unpinged + others[:SCREEN_CONCURRENCY - len(unpinged)])
             for peer_id in silent:
@@ -282,7 +300,7 @@ class ResilientSession:
         for record in self.session.route:  # every hop that has a stand-in
             try:
                 find_route(records, access.num_layers, access.health.observed, avoid | others | {record.peer_id},
-                           True, self.max_length)
+                           True, self.max_length, first=self.first)
                 others.add(record.peer_id)
             except RouteError:
                 continue
@@ -297,14 +315,8 @@ class ResilientSession:
     async def rewind(self, length: int) -> None:
         """Forget every step past the first `length` positions: the next step opens a new route and
         replays the kept history (a verifier found the later outputs wrong)."""
-        kept, position = [], 0
-        for hidden, positions in self.history:
-            take = min(hidden.shape[1], length - position)
-            if take <= 0:
-                break
-            kept.append((hidden[:, :take], None if positions is None else positions[:, :take]))
-            position += take
-        self.history = kept
+        kept = cut([hidden for hidden, _ in self.history], length)
+        self.history = [(h, None if p is None else p[:, :h.shape[1]]) for h, (_, p) in zip(kept, self.history)]
         await self.drop()
 
     @property
@@ -351,6 +363,18 @@ class ResilientSession:
         await self.drop()
         if self._reports:
             await asyncio.wait(self._reports, timeout=5)
+
+
+def cut(steps: list[torch.Tensor], length: int) -> list[torch.Tensor]:
+    """Steps' tensors [batch, tokens, ...] cut to the sequence's first `length` positions."""
+    kept, position = [], 0
+    for step in steps:
+        take = min(step.shape[1], length - position)
+        if take <= 0:
+            break
+        kept.append(step[:, :take])
+        position += take
+    return kept
 
 
 def joined(steps: list[tuple[torch.Tensor, torch.Tensor | None]]) -> tuple[torch.Tensor, torch.Tensor | None]:

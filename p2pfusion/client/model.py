@@ -20,9 +20,11 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from p2pfusion.client.adapters import Adapter, RemoteParameters, TuningConfig
 from p2pfusion.client.failover import ResilientSession
-from p2pfusion.client.generation import MAX_REWINDS, load_tokenizer, new_tokens_within
+from p2pfusion.client.conversation import MAX_REWINDS, new_tokens_within
+from p2pfusion.client.generation import load_tokenizer
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.remote_layers import RemoteLayers, SwarmClient
+from p2pfusion.client.trusted import TrustedPeers, trusted_peers as trusted_set
 from p2pfusion.client.verifier import Verifier
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
@@ -31,6 +33,7 @@ from p2pfusion.models.adapters import DEFAULT_LORA_TARGETS
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
+from p2pfusion.net.secret import SwarmSecret, load_secret
 
 
 class WrongResults(Exception):
@@ -275,18 +278,23 @@ class AutoDistributedModelForCausalLM:
         dtype: torch.dtype = torch.float32,
         compression: str = AUTO,
         verify: float = DEFAULT_RATE,
+        swarm_secret: str | Path | SwarmSecret | None = None,
+        trusted_peers: TrustedPeers = None,
     ):
         """The model (a local folder, a .gguf file, a Hub id, or None for the default model) served by
         the swarm that `initial_peers` belong to. `tuning` ("prompt", "deep_prompt" or "lora") adds
         fresh trainable parameters; `adapter` loads saved ones instead. `verify`: the chance that
         a generation step's results are checked against other peers (0: never; a generation's
-        end is always checked)."""
+        end is always checked). `swarm_secret`: a private swarm's secret file (`p2pfusion swarm-secret`).
+        `trusted_peers`: route only through these peers (peer ids, or a trusted-peers file's path)."""
         tuning_config = None if tuning is None else TuningConfig(
             tuning, rank=lora_rank, alpha=lora_alpha, targets=tuple(lora_targets), prompt_tokens=prompt_tokens
         )
         check_rate(verify)
         if not initial_peers:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
+        secret = load_secret(swarm_secret)
+        trusted = trusted_set(trusted_peers)
         source = resolve_model(model)
         config = load_config(source)
         head = load_head(source, dtype)
@@ -294,12 +302,14 @@ class AutoDistributedModelForCausalLM:
             head.generation_config = GenerationConfig.from_pretrained(source.folder)
         loop = BackgroundLoop()
         try:
-            swarm = loop.run(join_swarm(list(initial_peers), client_mode=True))
+            swarm = loop.run(join_swarm(list(initial_peers), client_mode=True, secret=secret))
         except BaseException:
             loop.close()
             raise
         positions = int(getattr(config, "max_position_embeddings", 2048))
-        client = SwarmClient(loop, swarm, source, config.num_hidden_layers, positions, compression, verify, dtype)
+        client = SwarmClient(
+            loop, swarm, source, config.num_hidden_layers, positions, compression, verify, dtype, trusted=trusted
+        )
         trainable = None
         if adapter is not None:
             trainable = Adapter.load(adapter, config, source)

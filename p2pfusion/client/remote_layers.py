@@ -32,12 +32,13 @@ class SwarmClient:
         compression: str,
         verify: float = DEFAULT_RATE,
         dtype: torch.dtype = torch.float32,
+        trusted: frozenset[str] | None = None,
     ):
         self.loop = loop
         self.source = source
         health = PeerHealth(observed=load_observed(source.key))
         links = LinkBook(swarm.transport)
-        self.access = SwarmAccess(swarm, source.key, source.name, num_layers, health, links, compression)
+        self.access = SwarmAccess(swarm, source.key, source.name, num_layers, health, links, compression, trusted=trusted)
         self.trust = Trust(self.access)
         self.verify = verify
         self.dtype = dtype

@@ -20,9 +20,9 @@ def usable(
     return [r for r in records if r.state in states and r.peer_id not in banned and r.max_length >= length]
 
 
-def missing_layers(records: list[PeerRecord], num_layers: int) -> list[tuple[int, int]]:
-    """Ranges [start, end) that none of these peers serves."""
-    covered = [False] * num_layers
+def missing_layers(records: list[PeerRecord], num_layers: int, first: int = 0) -> list[tuple[int, int]]:
+    """Ranges [start, end) from layer `first` on that none of these peers serves."""
+    covered = [layer < first for layer in range(num_layers)]
     for r in records:
         for layer in range(r.start, min(r.end, num_layers)):
             covered[layer] = True
@@ -96,8 +96,10 @@ def find_route(
     rtts: Mapping[str, float] | None = None,
     batch: int = 1,
     own: Mapping[str, int] | None = None,
+    first: int = 0,
 ) -> list[PeerRecord]:
-    """The chain of peers with the least expected time per token, online peers before backups.
+    """The chain of peers with the least expected time per token from layer `first` (the layers
+    before it run on the client) to the last, online peers before backups.
 
     A token's time through a route is the sum of its hops' times: each hop's 1/throughput (as
     `expected_throughput` sees it), the time its load costs (`load_seconds`, for a session of
@@ -107,16 +109,16 @@ def find_route(
     range.
     """
     candidates = [r for r in usable(records, banned, backups, length) if r.end <= num_layers]
-    gaps = missing_layers(candidates, num_layers)
+    gaps = missing_layers(candidates, num_layers, first)
     if gaps:
-        if length and not missing_layers(usable(records, banned, backups), num_layers):
+        if length and not missing_layers(usable(records, banned, backups), num_layers, first):
             raise RouteError(f"no peer accepting sessions of {length} tokens serves layers {format_ranges(gaps)}")
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model")
     observed, rtts, own = observed or {}, rtts or {}, own or {}
     best_rate = max(observed.values(), default=None)
     # best[layer] = (backups, seconds per token, route) of the best route from `layer` to the end
     best: dict[int, tuple[int, float, list[PeerRecord]]] = {num_layers: (0, 0.0, [])}
-    for layer in range(num_layers - 1, -1, -1):
+    for layer in range(num_layers - 1, first - 1, -1):
         for r in candidates:
             if r.start != layer or r.end not in best:
                 continue
@@ -126,23 +128,26 @@ def find_route(
             candidate = (spares + (r.state == PeerState.BACKUP), seconds + hop, [r] + rest)
             if layer not in best or candidate[:2] < best[layer][:2]:
                 best[layer] = candidate
-    if 0 not in best:
-        raise RouteError("online peers cover every layer, but their ranges do not chain from layer 0 to the end")
-    return best[0][2]
+    if first not in best:
+        raise RouteError(f"online peers cover every layer, but their ranges do not chain from layer {first} to the end")
+    return best[first][2]
 
 
-def session_limit(records: list[PeerRecord], num_layers: int, positions: int, banned: Collection[str] = ()) -> int:
+def session_limit(
+    records: list[PeerRecord], num_layers: int, positions: int, banned: Collection[str] = (), first: int = 0
+) -> int:
     """The longest session (in tokens) a client can open now: the model's positions, or less where
-    no route of online peers accepts more (each peer announces its own max_length). A session of
-    that length has a route: `find_route(..., length=...)` picks among the peers that accept it."""
-    find_route(records, num_layers, banned=banned)  # no route at all: the RouteError naming the missing layers
+    no route of online peers from layer `first` accepts more (each peer announces its own
+    max_length). A session of that length has a route: `find_route(..., length=...)` picks among
+    the peers that accept it."""
+    find_route(records, num_layers, banned=banned, first=first)  # no route at all: the RouteError naming the gaps
     lengths = sorted({r.max_length for r in usable(records, banned)})
     # if the peers accepting n tokens chain through every layer, those accepting fewer do too
     low, high = 0, len(lengths) - 1  # a route accepts lengths[low]
     while low < high:
         mid = (low + high + 1) // 2
         try:
-            find_route(records, num_layers, banned=banned, length=lengths[mid])
+            find_route(records, num_layers, banned=banned, length=lengths[mid], first=first)
             low = mid
         except RouteError:
             high = mid - 1

@@ -20,15 +20,18 @@ from typing import Any
 import torch
 
 from p2pfusion.client.adapters import Adapter
-from p2pfusion.client.generation import Generated, RemoteCausalLM
+from p2pfusion.client.conversation import Generated
+from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.stops import StopText, cut_at_stop
 from p2pfusion.client.text import TextPieces
+from p2pfusion.client.trusted import TrustedPeers
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
 from p2pfusion.models.source import ModelSource, resolve_model
 from p2pfusion.net.compression import AUTO
+from p2pfusion.net.secret import SwarmSecret, load_secret
 
 # text, token ids, or chat messages ({"role": ..., "content": ...}) rendered with the chat template
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -79,16 +82,24 @@ class SwarmLM:
         compression: str = AUTO,
         verify: float = DEFAULT_RATE,
         dtype: torch.dtype = torch.float32,
+        swarm_secret: str | Path | SwarmSecret | None = None,
+        trusted_peers: TrustedPeers = None,
+        local_layers: int = 0,
     ) -> SwarmLM:
         """Load the client's part of `model` (a folder, a .gguf file, a Hub id, or None for the
         default model) and join the swarm that `initial_peers` belong to. `verify`: the chance that
-        a step's results are checked against other peers (0: never; each generation's end always is)."""
+        a step's results are checked against other peers (0: never; each generation's end always is).
+        `swarm_secret`: a private swarm's secret file (`p2pfusion swarm-secret`). `trusted_peers`:
+        route only through these peers (peer ids, or a trusted-peers file's path). `local_layers`: run
+        at least the first K layers here (up to the next stage boundary), so no peer sees the token
+        embeddings."""
         if not initial_peers:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
         check_rate(verify)
+        secret = load_secret(swarm_secret)
         # loading reads (and may convert) weights: the caller's loop keeps serving meanwhile
-        core = await asyncio.to_thread(_load_core, model, compression, verify, dtype)
-        core.swarm = await join_swarm(list(initial_peers), client_mode=True)
+        core = await asyncio.to_thread(_load_core, model, compression, verify, dtype, trusted_peers, local_layers)
+        core.swarm = await join_swarm(list(initial_peers), client_mode=True, secret=secret)
         return cls(core, owns_swarm=True)
 
     @property
@@ -260,10 +271,16 @@ class SwarmLMSync:
         compression: str = AUTO,
         verify: float = DEFAULT_RATE,
         dtype: torch.dtype = torch.float32,
+        swarm_secret: str | Path | SwarmSecret | None = None,
+        trusted_peers: TrustedPeers = None,
+        local_layers: int = 0,
     ):
         self._loop = BackgroundLoop("p2pfusion-lm")
         try:
-            self.lm = self._run(SwarmLM.connect(initial_peers, model, compression=compression, verify=verify, dtype=dtype))
+            self.lm = self._run(SwarmLM.connect(
+                initial_peers, model, compression=compression, verify=verify, dtype=dtype, swarm_secret=swarm_secret,
+                trusted_peers=trusted_peers, local_layers=local_layers,
+            ))
         except BaseException:
             self._loop.close()
             raise
@@ -318,9 +335,14 @@ class SwarmLMSync:
         self.close()
 
 
-def _load_core(model: str | ModelSource | None, compression: str, verify: float, dtype: torch.dtype) -> RemoteCausalLM:
+def _load_core(
+    model: str | ModelSource | None, compression: str, verify: float, dtype: torch.dtype, trusted_peers: TrustedPeers = None,
+    local_layers: int = 0,
+) -> RemoteCausalLM:
     source = model if isinstance(model, ModelSource) else resolve_model(model)
-    return RemoteCausalLM(source, dtype=dtype, compression=compression, verify=verify)
+    return RemoteCausalLM(
+        source, dtype=dtype, compression=compression, verify=verify, trusted_peers=trusted_peers, local_layers=local_layers
+    )
 
 
 async def _value(make: Callable[[], Any]) -> Any:

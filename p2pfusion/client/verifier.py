@@ -21,8 +21,7 @@ import time
 
 import torch
 
-from p2pfusion.client.catalog import model_records
-from p2pfusion.client.failover import LONG_STEP_TIMEOUT, ResilientSession, SwarmAccess, joined
+from p2pfusion.client.failover import LONG_STEP_TIMEOUT, ResilientSession, SwarmAccess, cut, joined
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.client.verify import (
     Culprit,
@@ -164,14 +163,8 @@ class Verifier:
     async def rewind(self, length: int) -> None:
         """Forget the outputs past `length` positions, with the session's inputs."""
         await self.session.rewind(length)
-        kept, position = [], 0
-        for out in self.outputs:
-            take = min(out.shape[1], length - position)
-            if take <= 0:
-                break
-            kept.append(out[:, :take])
-            position += take
-        self.outputs, self.routes = kept, self.routes[:len(kept)]
+        self.outputs = cut(self.outputs, length)
+        self.routes = self.routes[:len(self.outputs)]
         self.checked = min(self.checked, length)
         await self._drop_shadow()
 
@@ -181,7 +174,7 @@ class Verifier:
     # the checking route
 
     async def _records(self) -> list[PeerRecord]:
-        records = await model_records(self.access.swarm, self.access.model, self.access.name)
+        records = await self.access.records(self.session.first)  # with a trusted set, only its peers ever check a hop
         self._known = {r.peer_id: r for r in records}
         return records
 
@@ -214,7 +207,8 @@ class Verifier:
             await self.trust.refresh()
             observed = self.access.health.observed
             route = alternative_route(
-                records, self.access.num_layers, primary, self._avoided(records), observed, self.session.max_length
+                records, self.access.num_layers, primary, self._avoided(records), observed, self.session.max_length,
+                self.session.first,
             )
             reused = set() if route is None else {r.peer_id for r in route} & primary
             self._warn_unchecked([] if route is None else unchecked_layers(route, primary))
@@ -248,7 +242,7 @@ class Verifier:
         ).open()
         params = self.session.params
         if params is not None:
-            message, flat = _params_for(params.message, params.flat, route[0].start, route[-1].end)
+            message, flat = params_for(params.message, params.flat, route[0].start, route[-1].end)
             if message.entries:
                 await session.set_adapter(message, flat)
         return session
@@ -397,7 +391,7 @@ class Verifier:
             log.warning("could not report peer %s: %r", peer.peer_id, exc)
 
 
-def _params_for(message: m.Adapter, flat: torch.Tensor, start: int, end: int) -> tuple[m.Adapter, torch.Tensor]:
+def params_for(message: m.Adapter, flat: torch.Tensor, start: int, end: int) -> tuple[m.Adapter, torch.Tensor]:
     """The part of a session's adapter that layers [start, end) take."""
     values = unflatten(flat, [shape for _, shape in message.entries])
     kept = [(entry, value) for entry, value in zip(message.entries, values) if start <= layer_of(entry[0]) < end]

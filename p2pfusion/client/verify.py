@@ -129,11 +129,13 @@ def alternative_route(
     avoid: Collection[str] = (),
     observed: dict[str, float] | None = None,
     length: int = 0,
+    first: int = 0,
 ) -> list[PeerRecord] | None:
-    """A route for checking one that used the peers `primary`: it reuses as few of them as the swarm
-    allows (warm backups welcome), so only the layers of the reused ones go unchecked. None: no route."""
+    """A route from layer `first` for checking one that used the peers `primary`: it reuses as few
+    of them as the swarm allows (warm backups welcome), so only the layers of the reused ones go
+    unchecked. None: no route."""
     candidates = [r for r in usable(records, avoid, backups=True, length=length) if r.end <= num_layers]
-    return _best_chain(candidates, 0, num_layers, observed or {}, set(primary))
+    return _best_chain(candidates, first, num_layers, observed or {}, set(primary))
 
 
 def witness_chain(

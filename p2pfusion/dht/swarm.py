@@ -18,6 +18,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pfusion.dht.private import SecretAuthorizer
 from p2pfusion.dht.records import (
     MAX_DATA_ADDRS,
     MODELS_KEY,
@@ -33,6 +34,7 @@ from p2pfusion.dht.records import (
 from p2pfusion.dht.storage import MAX_SUBKEYS, CappedStorage
 from p2pfusion.dht.validation import FAULT_TTL, MAX_MADDRS, RECORD_TTL, SwarmValidator, owner_of
 from p2pfusion.errors import RouteError
+from p2pfusion.net.secret import SwarmSecret
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -228,10 +230,12 @@ async def join_swarm(
     client_mode: bool = False,
     data_port: int = 0,
     announce_host: str | None = None,
+    secret: SwarmSecret | None = None,
 ) -> SwarmNode:
     """Start libp2p and the DHT; a peer (not a client) also takes direct connections on `data_port`.
-    An empty `initial_peers` starts a new swarm. Others reach this node at `announce_host` if given."""
-    transport = await Transport.start(initial_peers, host, port, identity_path, client_mode, announce_host)
+    An empty `initial_peers` starts a new swarm. Others reach this node at `announce_host` if given.
+    With a `secret`, the swarm is private: only nodes holding it answer this one, and it only them."""
+    transport = await Transport.start(initial_peers, host, port, identity_path, client_mode, announce_host, secret)
     try:
         if not client_mode:
             try:
@@ -242,8 +246,10 @@ async def join_swarm(
         identity = transport.identity
         validator = SwarmValidator(RSASignatureValidator(_SigningKey(identity.private_key) if identity else None))
         initial_peers = transport.initial_peers
+        authorizer = None if secret is None else SecretAuthorizer(secret)
         dht = await DHTNode.create(
-            p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode
+            p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode,
+            authorizer=authorizer,
         )
         dht.protocol.storage = _capped(dht.protocol.storage)
         dht.protocol.cache = _capped(dht.protocol.cache)
@@ -251,9 +257,21 @@ async def join_swarm(
         await transport.shutdown()
         if isinstance(exc, RouteError):
             raise
+        if "none of the initial_peers responded" in str(exc):
+            raise _unanswered(initial_peers, secret) from exc
         raise RouteError(f"cannot join the DHT through {initial_peers}: {exc}") from exc
     if initial_peers and not dht.protocol.routing_table.get_nearest_neighbors(dht.node_id, 1, exclude=None):
         await dht.shutdown()
         await transport.shutdown()
-        raise RouteError(f"no initial peer answered: {', '.join(initial_peers)}")
+        raise _unanswered(initial_peers, secret)
     return SwarmNode(transport=transport, dht=dht, validator=validator)
+
+
+def _unanswered(initial_peers: list[str], secret: SwarmSecret | None) -> RouteError:
+    """Reachable initial peers that do not answer the DHT: most likely, one side of a private swarm
+    lacks its secret (the other side's nodes answer nothing to a node without it, or with another)."""
+    mine = "" if secret is None else f" (this node's, from {secret.source}, may not be theirs)"
+    return RouteError(
+        f"no initial peer answered: {', '.join(initial_peers)}; "
+        f"if the swarm is private, --swarm-secret must name its secret file{mine}"
+    )

@@ -28,6 +28,7 @@ from p2pfusion.errors import RouteError
 from p2pfusion.net.clients import ClientKey, Source, client_of
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, client_context, verify_peer
+from p2pfusion.net.secret import SwarmSecret
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,8 @@ class Transport:
     """This node's libp2p host plus, on peers, a direct TLS listener."""
 
     def __init__(
-        self, p2p: P2P, identity: Identity | None, announce_host: str | None = None, initial_peers: Sequence[str] = ()
+        self, p2p: P2P, identity: Identity | None, announce_host: str | None = None, initial_peers: Sequence[str] = (),
+        secret: SwarmSecret | None = None,
     ):
         self.p2p = p2p
         self.identity = identity
@@ -132,6 +134,7 @@ class Transport:
         self._next_refusal_log = 0.0
         self.announce_host = announce_host
         self.initial_peers = list(initial_peers)  # those it joined through (never itself)
+        self.secret = secret  # a private swarm's: every stream's hello, both ways, proves it
 
     @classmethod
     async def start(
@@ -142,6 +145,7 @@ class Transport:
         identity_path: str | None,
         client_mode: bool,
         announce_host: str | None = None,
+        secret: SwarmSecret | None = None,
     ) -> Transport:
         """Start libp2p. A peer always gets an identity held here, so its TLS certificate can prove it.
         `announce_host` is the address others reach this host at, when it listens on 0.0.0.0 behind
@@ -180,7 +184,7 @@ class Transport:
         finally:
             if scratch is not None:
                 scratch.cleanup()  # the daemon has read the key; this process holds it in memory
-        return cls(p2p, identity, announce_host, initial_peers)
+        return cls(p2p, identity, announce_host, initial_peers, secret)
 
     @property
     def peer_id(self) -> str:
@@ -226,11 +230,23 @@ class Transport:
                 self._log_refusal(source)
                 return
             try:
-                await handler(reader, writer, Source(source))
+                if self.secret is None or await self._proven(reader, protocol, source):
+                    await handler(reader, writer, Source(source))
+                else:
+                    writer.close()
             finally:
                 self.caps.release(source)
 
         await self.p2p.add_binary_stream_handler(protocol, via_libp2p)
+
+    async def _proven(self, reader: asyncio.StreamReader, protocol: str, source: str) -> bool:
+        """Whether a libp2p stream's first frame proves the swarm secret (a direct connection's
+        hello does it in `_hello`)."""
+        try:
+            header, _ = await asyncio.wait_for(read_frame(reader, HELLO_LIMITS), HELLO_TIMEOUT)
+        except (TimeoutError, EOFError, FrameError, OSError):
+            header = {}
+        return self.secret.admits(header.get("secret"), self.peer_id, protocol, source)
 
     async def remove_handler(self, protocol: str) -> None:
         self._handlers.pop(protocol, None)
@@ -272,14 +288,14 @@ class Transport:
         """TLS, the hello, then the protocol's handler, which owns the stream; the connection counts
         against the caps until the handler returns."""
         try:
-            stream = await self._hello(conn)
+            stream = await self._hello(conn, source)
             if stream is not None:
                 handler, client, reader, writer = stream
                 await handler(reader, writer, Source(source, client))
         finally:
             self.caps.release(source)
 
-    async def _hello(self, conn: socket.socket) -> tuple[Handler, str | None, asyncio.StreamReader, asyncio.StreamWriter] | None:
+    async def _hello(self, conn: socket.socket, source: str) -> tuple[Handler, str | None, asyncio.StreamReader, asyncio.StreamWriter] | None:
         """The handshake and hello within HELLO_TIMEOUT, the handler the hello names and the client
         it proves; None (the connection closed) when any of them fails."""
         loop = asyncio.get_running_loop()
@@ -299,6 +315,10 @@ class Transport:
         try:
             header = await asyncio.wait_for(handshake_and_hello(), HELLO_TIMEOUT)
             name = header.get("protocol")
+            # in a private swarm, a stream without the secret learns nothing, not even which protocols exist
+            secret = self.secret
+            if secret is not None and not secret.admits(header.get("secret"), self.peer_id, str(name), source):
+                raise RouteError("no proof of the swarm secret")
             handler = self._handlers.get(name) if isinstance(name, str) else None
             client = client_of(header.get("client"), self.peer_id)
             if handler is None:
@@ -326,6 +346,8 @@ class Transport:
         _, reader, writer = await asyncio.wait_for(
             self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
         )
+        if self.secret is not None:  # libp2p names the protocol; the secret needs a frame of its own
+            writer.writelines(encode({"secret": self.secret.proof(peer_id, protocol)}))
         return reader, writer
 
     async def _dial(self, peer_id: str, addrs: list[str], protocol: str) -> Stream:
@@ -357,7 +379,10 @@ class Transport:
         except BaseException:
             writer.close()
             raise
-        writer.writelines(encode({"protocol": protocol, "client": self.client_key.proof(peer_id)}))
+        hello = {"protocol": protocol, "client": self.client_key.proof(peer_id)}
+        if self.secret is not None:
+            hello["secret"] = self.secret.proof(peer_id, protocol)
+        writer.writelines(encode(hello))
         return reader, writer
 
     async def shutdown(self) -> None:

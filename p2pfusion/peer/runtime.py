@@ -23,6 +23,7 @@ from p2pfusion.models.stage import Stage, load_config, load_stage
 from p2pfusion.net import probe
 from p2pfusion.net.compression import AUTO
 from p2pfusion.net.links import LinkBook
+from p2pfusion.net.secret import SwarmSecret
 from p2pfusion.peer.balance import Capacity, Placement, place_peer, reclaim, stage_most_at_risk, yields_to
 from p2pfusion.peer.admission import Budget
 from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name, free_memory
@@ -72,6 +73,7 @@ class PeerOptions:
     first_frame_timeout: float = FIRST_FRAME_TIMEOUT
     metrics_port: int | None = None  # Prometheus metrics over HTTP at /metrics (0: a free port); None: not served
     metrics_host: str = "127.0.0.1"
+    swarm_secret: SwarmSecret | None = None  # a private swarm's (--swarm-secret)
 
 
 class Peer:

@@ -18,7 +18,7 @@ async def serve(options: PeerOptions, on_ready=None) -> None:
     """Run a peer until SIGINT or SIGTERM. `on_ready(maddrs)` is called once it serves."""
     swarm = await join_swarm(
         options.initial_peers, options.host, options.port, options.identity,
-        data_port=options.data_port, announce_host=options.announce_host,
+        data_port=options.data_port, announce_host=options.announce_host, secret=options.swarm_secret,
     )
     peer = Peer(options, swarm)
     stop = asyncio.Event()

@@ -1,0 +1,215 @@
+"""A session kept open across generations (`Conversation`), and what a generation returns.
+
+The peers keep the KV caches of the tokens a conversation sent, so a chat's later turns send only
+their new tokens; the session's replay history and the local layers' cache (client/local_layers.py)
+belong to it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from p2pfusion.client.adapters import Adapter
+from p2pfusion.client.failover import ResilientSession
+from p2pfusion.client.health import save_observed
+from p2pfusion.client.local_layers import LocalRun
+from p2pfusion.client.verifier import Verifier
+from p2pfusion.errors import PromptTooLong, RequestError, RouteError
+
+if TYPE_CHECKING:
+    from p2pfusion.client.generation import RemoteCausalLM
+
+log = logging.getLogger(__name__)
+
+MAX_REWINDS = 8  # wrong results caught in one generation before it gives up
+
+
+def new_tokens_within(prompt: int, wanted: int, limit: int) -> int:
+    """How many of the `wanted` new tokens fit after a `prompt` of that many tokens in the swarm's
+    `limit`: a prompt that fills it is refused, and a generation that would pass it is cut there,
+    with a warning, as transformers stops at max_length."""
+    if prompt >= limit:
+        raise PromptTooLong(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
+    if prompt + wanted > limit:
+        log.warning("the swarm accepts %d tokens: generating %d new tokens, not %d", limit, limit - prompt, wanted)
+        return limit - prompt
+    return wanted
+
+
+@dataclass
+class Generated:
+    token_ids: list[int]
+    text: str
+    prefill_seconds: float
+    decode_seconds: float
+    recoveries: int = 0  # times the session moved around a failed peer
+    rewinds: int = 0  # times verification caught wrong results and the generation went back
+    token_times: list[float] = field(default_factory=list)  # seconds from the call's start to each token
+
+    @property
+    def latencies(self) -> list[float]:
+        """Each token's own wait: the first token's from the call's start (prefill included), each
+        later one's from the token before it."""
+        return [t - previous for previous, t in zip([0.0, *self.token_times], self.token_times)]
+
+
+class Conversation:
+    """A session kept open across generations: the peers keep the KV caches of the tokens so far,
+    and each call sends only the tokens after those. It owns the session (a ResilientSession, which
+    replays them on failover) and the list of those tokens."""
+
+    def __init__(self, model: RemoteCausalLM, keep: bool = True, adapter: Adapter | None = None):
+        self.model = model
+        self._adapter = adapter  # None: the model's own, whatever it is when a call starts
+        self._opened_with: Adapter | None = None  # the adapter of the open session
+        # True: open sessions as long as the swarm accepts, for the calls to come; False: as long
+        # as this call needs, so that peers accepting less may serve it
+        self.keep = keep
+        self.session: ResilientSession | None = None
+        self.local = LocalRun()  # the session's pass through the layers run here, before the swarm's
+        self.verifier: Verifier | None = None
+        self.tokens: list[int] = []  # what the peers' caches hold (after the soft prompt), in order
+        self.limit = 0  # the longest sequence of tokens the open session takes
+
+    def _unsent(self, input_ids: list[int]) -> list[int] | None:
+        """The tokens after those the session holds; None when it holds other tokens, or all of them."""
+        held = len(self.tokens)
+        if len(input_ids) > held and input_ids[:held] == self.tokens:
+            return input_ids[held:]
+        same = next((i for i, (a, b) in enumerate(zip(input_ids, self.tokens)) if a != b), min(held, len(input_ids)))
+        log.debug("the sequence differs from the session's %d tokens at position %d: a fresh session", held, same)
+        return None
+
+    async def generate(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        on_token: Callable[[int], None] | None = None,
+        stop_at_eos: bool = True,
+        stop: Callable[[], bool] | None = None,
+        decode: bool = True,
+        top_p: float = 1.0,
+    ) -> Generated:
+        """Continue `input_ids` (the whole sequence, earlier calls' tokens included) with up to
+        `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
+        leaves the session ready for the next call. With verification on, `on_token` gets tokens
+        once the results they came from are checked (see client/verifier.py)."""
+        started = time.perf_counter()
+        model = self.model
+        if not input_ids:
+            raise RequestError("the prompt is empty")
+        adapter = model.adapter if self._adapter is None else self._adapter
+        new = None if self.session is None or adapter is not self._opened_with else self._unsent(input_ids)
+        if new is None:
+            await self.close()
+        soft = None if adapter is None else adapter.soft_prompt
+        reserved = 0 if soft is None else soft.shape[0]  # positions the soft prompt takes
+        if self.session is None:
+            self.local = await model.local.run(adapter)
+        limit = self.limit if self.session is not None else await model.length_limit(self.local.first) - reserved
+        total = len(input_ids) + new_tokens_within(len(input_ids), max_new_tokens, limit)
+        if self.session is None:
+            self.session = await model.open_session((limit if self.keep else total) + reserved, adapter, self.local.first)
+            self._opened_with = adapter
+            self.verifier = model.verifier(self.session)
+            self.limit, new = limit, input_ids
+            route = self.session.session.route
+            log.info("route found: %s", ", ".join(f"{r.start}:{r.end} on {r.peer_id[-8:]}" for r in route))
+        eos = model.config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        out: list[int] = []
+        times: list[float] = []  # beside `out`: when each token was chosen
+        shown = rewinds = 0
+        try:
+            t0 = time.perf_counter()
+            embeds = model.embed(new)
+            if soft is not None and not self.tokens:  # soft prompt tokens sit before the text, at positions 0..n-1
+                embeds = torch.cat([soft.detach().to(model.dtype)[None], embeds], dim=1)
+            hidden = await self._step(embeds)
+            self.tokens += new
+            t1 = time.perf_counter()
+            while True:
+                token = await model.next_token(hidden, temperature, generator, top_p)
+                out.append(token)
+                times.append(time.perf_counter() - started)
+                done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
+                wrong = await self._check(done)
+                if wrong is None:
+                    shown = self._show(out, shown, len(input_ids) + reserved, on_token)
+                    if not done and stop is not None and stop():
+                        done, wrong = True, await self._check(True)  # the rest is checked before the reply ends
+                        shown = self._show(out, shown, len(input_ids) + reserved, on_token) if wrong is None else shown
+                if wrong is not None:
+                    rewinds += 1
+                    if rewinds > MAX_REWINDS:
+                        raise RouteError(f"results failed verification {rewinds} times in one generation")
+                    hidden = await self._rewind(wrong, input_ids, out, reserved, soft)
+                    del times[len(out):]
+                    continue
+                if done:
+                    break
+                hidden = await self._step(model.embed([token]))
+                self.tokens.append(token)
+            t2 = time.perf_counter()
+        except BaseException:
+            await self.close()  # a step may be half done: the peers' caches are no longer known
+            raise
+        text = model.tokenizer.decode(out, skip_special_tokens=True) if decode else ""
+        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds, times)
+
+    async def _check(self, final: bool) -> int | None:
+        """The first wrong position found (None: none, or verification is off); at random, or
+        over every unchecked position when `final`."""
+        if self.verifier is None:
+            return None
+        return await (self.verifier.check() if final else self.verifier.maybe_check())
+
+    def _show(self, out: list[int], shown: int, prompt: int, on_token: Callable[[int], None] | None) -> int:
+        """Give `on_token` the tokens not shown yet whose results are checked (the token after
+        position p is sure once p's output is); returns how many are shown now."""
+        sure = len(out) if self.verifier is None else min(max(self.verifier.checked - prompt + 1, 0), len(out))
+        if on_token is not None:
+            for token in out[shown:sure]:
+                on_token(token)
+        return max(shown, sure)
+
+    async def _step(self, embeds: torch.Tensor) -> torch.Tensor:
+        hidden = await self.local.step(embeds)
+        if self.verifier is None:
+            return await self.session.step(hidden)
+        return await self.verifier.step(hidden)
+
+    async def _rewind(
+        self, position: int, input_ids: list[int], out: list[int], reserved: int, soft: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Go back to the session's first `position` positions, whose outputs were checked, drop the
+        tokens that came after them, and compute that position's output again (on a new route)."""
+        await self.verifier.rewind(position)
+        self.local.rewind(position)
+        del out[max(position - reserved - len(input_ids) + 1, 0):]
+        sequence = input_ids + out
+        first = max(position - reserved, 0)  # the first token whose input goes again
+        embeds = self.model.embed(sequence[first:])
+        if position < reserved:
+            embeds = torch.cat([soft.detach().to(self.model.dtype)[None, position:], embeds], dim=1)
+        self.tokens = sequence[:first]
+        hidden = await self._step(embeds)
+        self.tokens = sequence
+        return hidden
+
+    async def close(self) -> None:
+        session, self.session, self.tokens, self.limit, self.local = self.session, None, [], 0, LocalRun()
+        verifier, self.verifier = self.verifier, None
+        if verifier is not None:
+            await verifier.close()
+        if session is not None:
+            await session.close()
+            save_observed(self.model.source.key, self.model.health.observed)
