@@ -10,7 +10,7 @@ attacks of scripts/privacy_attacks.py: nearest neighbour, probe, exact inversion
 weights. The user's cost of a sink applied at layer s: greedy-token agreement (chat prompts,
 batched transformers generate, a forward pre-hook on layer s applies the sink to each message)
 and the held-out perplexity with the sink.
-Usage: python scripts/bench_privacy.py [--quick] [--json PATH] [--plot PATH]
+Usage: python scripts/bench_privacy.py [--quick] [--depths 8,15,29] [--budget N] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -312,7 +312,9 @@ def main() -> None:
     parser.add_argument("--json", help="write every figure to this file")
     parser.add_argument("--plot", help="write a PNG of recovery vs depth and vs the user's cost")
     parser.add_argument("--budget", type=int, help="the exact attack's candidates per position")
+    parser.add_argument("--depths", help="comma-separated split depths to measure (default: all of " + str(DEPTHS) + ")")
     args = parser.parse_args()
+    depths = DEPTHS if args.depths is None else tuple(int(d) for d in args.depths.split(","))
     sizes = QUICK if args.quick else FULL
     if args.budget:
         sizes = replace(sizes, budget=args.budget)
@@ -332,14 +334,14 @@ def main() -> None:
                                            tokenize=False, add_generation_prompt=True) for _ in range(sizes.gen_prompts)]
     gen_batch = tokenizer(chats, return_tensors="pt", padding=True, add_special_tokens=False)
 
-    settings = [(s, sink) for s in DEPTHS for sink in SINKS if sink == attacks.RAW or s in sizes.sink_depths]
+    settings = [(s, sink) for s in depths for sink in SINKS if sink == attacks.RAW or s in sizes.sink_depths]
     progress = tqdm(total=len(settings) + 3, desc="privacy", file=sys.stderr)
-    tables = attacks.first_position_table(model, list(DEPTHS))
+    tables = attacks.first_position_table(model, list(depths))
     progress.update()
-    train_states = states(model, train_ids, DEPTHS)
-    observed = {s: [] for s in DEPTHS}
+    train_states = states(model, train_ids, depths)
+    observed = {s: [] for s in depths}
     for prompt in prompts:
-        for s, h in states(model, torch.tensor([prompt.ids]), DEPTHS).items():
+        for s, h in states(model, torch.tensor([prompt.ids]), depths).items():
             observed[s].append(h[0])
     progress.update()
     reference, base_ppl = generate(model, gen_batch, sizes.gen_tokens), perplexity(model, ppl_rows)

@@ -73,3 +73,31 @@ async def _keep_announcing(peers: list[Peer]) -> None:
         for peer in peers:
             if peer.record is not None and peer.record.state != PeerState.OFFLINE:
                 await peer.announce()
+
+
+@contextmanager
+def named_swarm(source: ModelSource, layout: list[tuple[str, tuple[int, int], dict]], name: str):
+    """In-process peers named as in `layout` (name, layers, PeerOptions fields), kept announcing,
+    and one client node the tests share: (loop, {name: peer}, client)."""
+    loop = BackgroundLoop(name)
+    peers, maddrs = {}, []
+
+    async def start():
+        for peer_name, layers, options in layout:
+            peers[peer_name] = await start_peer(source, maddrs, layers, **options)
+            maddrs[:] = maddrs or await peers[peer_name].swarm.maddrs()
+
+    client = refresher = None
+    try:
+        loop.run(start())
+        refresher = loop.run(_start(_keep_announcing(list(peers.values()))))
+        client = loop.run(join_swarm(maddrs, client_mode=True))
+        yield loop, peers, client
+    finally:
+        if refresher is not None:
+            loop.loop.call_soon_threadsafe(refresher.cancel)
+        if client is not None:
+            loop.run(client.shutdown())
+        for peer in peers.values():
+            loop.run(stop_peer(peer))
+        loop.close()

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from p2pfusion.dht.records import PeerState
 from p2pfusion.peer.backup import lost_servers, promotion_rank, replaced
 from p2pfusion.peer.balance import (
-    Capacity, Placement, bottleneck, choose_range, layer_throughputs, place_peer, reclaim, unguarded_gap, with_peer,
+    Capacity, Placement, bottleneck, choose_model, choose_range, layer_throughputs, place_peer, reclaim, unguarded_gap, with_peer,
     yields_to,
 )
 from p2pfusion.peer.rebalance import plan_move
@@ -191,3 +191,15 @@ def test_a_gap_with_a_warm_backup_is_left_to_the_backup():
     gap = [rec(10, 20, name="b"), rec(20, 30, name="c")]
     assert unguarded_gap(gap, 30)
     assert not unguarded_gap([*gap, rec(0, 10, PeerState.BACKUP, name="spare")], 30)
+
+
+def test_a_peer_offered_several_models_serves_the_one_the_swarm_needs_most():
+    full = [rec(0, 4, throughput=10, name="a")]
+    half = [rec(0, 2, throughput=10, name="b")]
+    assert choose_model({"full": (full, 4), "half": (half, 4)}) == "half"  # layers nobody serves come first
+    assert choose_model({"full": (full, 4), "new": ([], 6)}) == "new"
+    busy = [rec(0, 4, throughput=10, name="c", load=9.0)]
+    assert choose_model({"full": (full, 4), "busy": (busy, 4)}) == "busy"  # then demand over capacity
+    crowded = [rec(0, 4, throughput=5, name=f"d{i}") for i in range(3)]
+    assert choose_model({"crowded": (crowded, 4), "full": (full, 4)}) == "full"  # then the fewest peers
+    assert choose_model({"x": (full, 4), "y": (list(full), 4)}) == "x"  # the first listed on a tie

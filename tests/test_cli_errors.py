@@ -4,6 +4,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import uvloop
@@ -40,60 +41,92 @@ def run(*args: str) -> tuple[int, str]:
     return uvloop.run(_run(*args))
 
 
-def test_missing_model_path():
-    assert_one_line_error(run("run-peer", "--model", "/no/such/model", "--new-swarm"), "model not found")
+PEER_9 = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 
 
-def test_unreadable_gguf(tmp_path):
-    bad = tmp_path / "broken.gguf"
-    bad.write_bytes(b"not a gguf file at all")
-    assert_one_line_error(run("run-peer", "--model", str(bad), "--new-swarm"), "cannot read GGUF")
+def cases(tiny: dict, tmp: Path, taken_port: int) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """Each bad command line the CLI must end with one error line: its arguments, and what the line says."""
+    llama = str(tiny["llama"].folder)
+    (tmp / "broken.gguf").write_bytes(b"not a gguf file at all")
+    (tmp / "gpt2").mkdir()
+    (tmp / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    config = reference_model(tiny["gemma"]).config
+    config.num_hidden_layers = 6  # made for a deeper model
+    Adapter(config, TuningConfig("lora", rank=2)).save(tmp / "deeper", tiny["gemma"])
+    infer = ["infer", "--initial-peers", DEAD_PEER]
+    return {
+        "missing model path": (["run-peer", "--model", "/no/such/model", "--new-swarm"], ("model not found",)),
+        "unreadable gguf": (["run-peer", "--model", str(tmp / "broken.gguf"), "--new-swarm"], ("cannot read GGUF",)),
+        "unsupported architecture": (["run-peer", "--model", str(tmp / "gpt2"), "--new-swarm"], ("unsupported architecture",)),
+        "layers out of bounds": (["run-peer", "--model", llama, "--new-swarm", "--layers", "2:9"], ("out of bounds",)),
+        "empty layer range": (["run-peer", "--model", llama, "--new-swarm", "--layers", "3:1"], ("empty",)),
+        "bad initial peer": (["infer", "--initial-peers", "nonsense", "hi"], ("not a peer multiaddr",)),
+        "data port in use": (
+            ["run-peer", "--model", llama, "--new-swarm", "--layers", "0:2", "--data-port", str(taken_port)],
+            ("cannot listen for direct connections", "address already in use"),
+        ),
+        "client compression": ([*infer, "--compression", "zstd", "hi"], ("choose from auto",)),
+        "peer compression": (["run-peer", "--new-swarm", "--compression", "gzip"], ("unknown compression 'gzip'",)),
+        "unreachable initial peer": ([*infer, "hi"], ("no initial peer is reachable",)),
+        "empty prompt": ([*infer, "   "], ("prompt is empty",)),
+        "prompt too long": ([*infer, "word " * 9000], ("prompt too long: ", "the model accepts 8192")),
+        "unavailable gpu": (["run-peer", "--model", llama, "--new-swarm", "--gpu", "0"], ("not available",)),
+        "missing adapter": (
+            ["infer", "--model", llama, "--initial-peers", PEER_9, "--adapter", str(tmp / "none"), "hi"],
+            ("cannot read the adapter",),
+        ),
+        "adapter of another model": (
+            ["infer", "--model", llama, "--initial-peers", PEER_9, "--adapter", str(tmp / "deeper"), "hi"],
+            ("does not fit this model",),
+        ),
+        "layers with two models": (
+            ["run-peer", "--model", llama, "--model", llama, "--new-swarm", "--layers", "0:2"], ("give one --model",),
+        ),
+        "too little memory": (
+            ["run-peer", "--model", llama, "--new-swarm", "--max-memory", "0.01"], ("cannot hold one layer",),
+        ),
+    }
 
 
-def test_unsupported_architecture(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    assert_one_line_error(run("run-peer", "--model", str(tmp_path), "--new-swarm"), "unsupported architecture")
-
-
-def test_layer_range_out_of_bounds(tiny_models):
-    folder = str(tiny_models["llama"].folder)
-    assert_one_line_error(run("run-peer", "--model", folder, "--new-swarm", "--layers", "2:9"), "out of bounds")
-    assert_one_line_error(run("run-peer", "--model", folder, "--new-swarm", "--layers", "3:1"), "empty")
-
-
-def test_bad_initial_peer_address():
-    assert_one_line_error(run("infer", "--initial-peers", "nonsense", "hi"), "not a peer multiaddr")
-
-
-def test_data_port_in_use(tiny_models):
+@pytest.fixture(scope="module")
+def outcomes(tiny_models, tmp_path_factory) -> dict[str, tuple[tuple[int, str], tuple[str, ...]]]:
+    """Every case's CLI process, run at once: each mostly waits for its imports or a timeout."""
     import socket
+
+    limit = asyncio.Semaphore(6)
+
+    async def one(args):
+        async with limit:
+            return await _run(*args)
+
+    async def all_of(table):
+        results = await asyncio.gather(*(one(args) for args, _ in table.values()))
+        return {name: (result, needles) for (name, (_, needles)), result in zip(table.items(), results)}
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        port = str(taken.getsockname()[1])
-        folder = str(tiny_models["llama"].folder)
-        result = run("run-peer", "--model", folder, "--new-swarm", "--layers", "0:2", "--data-port", port)
-    assert_one_line_error(result, "cannot listen for direct connections", "address already in use")
+        table = cases(tiny_models, tmp_path_factory.mktemp("cli-errors"), taken.getsockname()[1])
+        assert list(table) == CASE_NAMES  # every case is a test of its own
+        return uvloop.run(all_of(table))
 
 
-def test_unknown_compression():
-    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "--compression", "zstd", "hi"), "choose from auto")
-    assert_one_line_error(run("run-peer", "--new-swarm", "--compression", "gzip"), "unknown compression 'gzip'")
+CASE_NAMES = [
+    "missing model path", "unreadable gguf", "unsupported architecture", "layers out of bounds", "empty layer range",
+    "bad initial peer", "data port in use", "client compression", "peer compression", "unreachable initial peer",
+    "empty prompt", "prompt too long", "unavailable gpu", "missing adapter", "adapter of another model",
+    "layers with two models", "too little memory",
+]
 
 
-@pytest.mark.slow
-def test_unreachable_initial_peer():
-    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "hi"), "no initial peer is reachable")
+@pytest.mark.parametrize("name", CASE_NAMES)
+def test_bad_command_lines_end_with_one_error_line(outcomes, name):
+    import torch
 
-
-@pytest.mark.slow
-def test_empty_and_too_long_prompts():
-    assert_one_line_error(run("infer", "--initial-peers", DEAD_PEER, "   "), "prompt is empty")
-    long_prompt = "word " * 9000
-    assert_one_line_error(
-        run("infer", "--initial-peers", DEAD_PEER, long_prompt), "prompt too long: ", "the model accepts 8192"
-    )
+    if name == "unavailable gpu" and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    result, needles = outcomes[name]
+    assert_one_line_error(result, *needles)
 
 
 async def _infer_with_gap(source):
@@ -104,32 +137,6 @@ async def _infer_with_gap(source):
 @pytest.mark.slow
 def test_swarm_missing_layers_are_named(default_model):
     assert_one_line_error(uvloop.run(_infer_with_gap(default_model)), "no peer serves layers 10:30")
-
-
-def test_unavailable_gpu(tiny_models):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    folder = str(tiny_models["llama"].folder)
-    assert_one_line_error(run("run-peer", "--model", folder, "--new-swarm", "--gpu", "0"), "not available")
-
-
-def test_adapter_that_does_not_fit(tiny_models, tmp_path):
-    peer = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
-    folder = str(tiny_models["llama"].folder)
-    assert_one_line_error(
-        run("infer", "--model", folder, "--initial-peers", peer, "--adapter", str(tmp_path / "none"), "hi"),
-        "cannot read the adapter",
-    )
-    config = reference_model(tiny_models["gemma"]).config
-    config.num_hidden_layers = 6  # made for a deeper model
-    Adapter(config, TuningConfig("lora", rank=2)).save(tmp_path / "deeper", tiny_models["gemma"])
-    assert_one_line_error(
-        run("infer", "--model", folder, "--initial-peers", peer, "--adapter", str(tmp_path / "deeper"), "hi"),
-        "does not fit this model",
-    )
-
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -145,6 +152,11 @@ def test_adapter_that_does_not_fit(tiny_models, tmp_path):
     (["run-peer", "--data-port", "-1"], "argument --data-port: expected a whole number in 0..65535"),
     (["run-peer", "--max-layers", "0"], "argument --max-layers: expected a whole number >= 1"),
     (["demo", "--peers", "0"], "argument --peers: expected a whole number >= 1"),
+    (["run-peer", "--max-memory", "0"], "argument --max-memory: expected a positive number of GiB, got '0'"),
+    (["run-peer", "--max-memory", "lots"], "argument --max-memory: expected GiB as a number, e.g. 1.5; got 'lots'"),
+    (["run-peer", "--quant", "int2"], "argument --quant: invalid choice: 'int2'"),
+    (["infer", "--min-precision", "fp8"], "argument --min-precision: invalid choice: 'fp8'"),
+    (["chat", "--exact", "--min-precision", "int8"], "argument --min-precision: not allowed with argument --exact"),
 ])
 def test_bad_numbers_are_one_line_errors(args, needle):
     command, *options = args

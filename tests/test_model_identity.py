@@ -176,3 +176,20 @@ def test_an_adapter_knows_the_weights_it_was_saved_on(folders, tmp_path, caplog)
         assert not caplog.records
         Adapter.load(tmp_path / "adapter", config, namesake)
     assert "trained on other weights" in caplog.text
+
+
+def test_a_peer_offered_two_models_serves_the_one_nobody_serves(folders):
+    """run-peer with --model given twice: with the first model served, it takes the second."""
+    from p2pfusion.peer.service import _needed_most
+
+    async def scenario():
+        served, other = resolve_model(str(folders / "smol-a")), resolve_model(str(folders / "nudged"))
+        async with running_peers(served, [(0, 4)]) as (_, maddrs):
+            swarm = await join_swarm(maddrs, client_mode=True)
+            try:
+                return await _needed_most(swarm, [served, other]), other
+            finally:
+                await swarm.shutdown()
+
+    chosen, other = uvloop.run(scenario())
+    assert chosen == other

@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.trusted import TrustedGap, parse_peer_id, read_trusted, trusted_peers, trusted_records
 from p2pfusion.dht.records import PeerState
-from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.net.identity import Identity, peer_id_of_key
 from tests.conftest import reference_model
 from tests.policy_records import rec
-from tests.swarm import _keep_announcing, _start, start_peer, stop_peer
+from tests.swarm import named_swarm, start_peer, stop_peer
 
 IDS = [3, 17, 42, 99, 5, 250, 7, 1]
 NEW = 8
@@ -97,32 +95,13 @@ LAYOUT = [
 @pytest.fixture(scope="module")
 def swarm(tiny_models):
     source = tiny_models["llama"]
-    loop = BackgroundLoop("test-trusted")
-    peers, maddrs = {}, []
-
-    async def start():
-        for name, layers, throughput in LAYOUT:
-            peers[name] = await start_peer(source, maddrs, layers, throughput=throughput)
-            maddrs[:] = maddrs or await peers[name].swarm.maddrs()
-
-    client = refresher = None
-    try:
-        loop.run(start())
-        refresher = loop.run(_start(_keep_announcing(list(peers.values()))))
-        client = loop.run(join_swarm(maddrs, client_mode=True))  # every test's clients share its node
+    layout = [(name, layers, {"throughput": throughput}) for name, layers, throughput in LAYOUT]
+    with named_swarm(source, layout, "test-trusted") as (loop, peers, client):  # every test's clients share its node
         with torch.no_grad():
             out = reference_model(source).generate(
                 torch.tensor([IDS]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False
             )
         yield source, loop, peers, client, out[0, len(IDS):].tolist()
-    finally:
-        if refresher is not None:
-            loop.loop.call_soon_threadsafe(refresher.cancel)
-        if client is not None:
-            loop.run(client.shutdown())
-        for peer in peers.values():
-            loop.run(stop_peer(peer))
-        loop.close()
 
 
 def ids_of(peers, *names) -> list[str]:

@@ -18,6 +18,7 @@ from p2pfusion.client.text import TextPieces
 from p2pfusion.client.verify import DEFAULT_RATE
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.errors import ModelError, RequestError
+from p2pfusion.models.formats import DTYPES, WeightFormat
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
 from p2pfusion.net.compression import AUTO
@@ -30,7 +31,10 @@ log = logging.getLogger("p2pfusion")
 
 async def run_peer(args, device: str) -> None:
     secret = load_secret(args.swarm_secret)  # a bad file fails before the model loads
-    source = resolve_model(args.model)
+    models = args.model or [None]
+    if len(models) > 1 and args.layers is not None:
+        raise RequestError("--layers names layers of one model: give one --model with it")
+    source, *others = [resolve_model(model) for model in models]
     config = load_config(source)
     if args.layers is not None and args.layers[1] > config.num_hidden_layers:
         raise ModelError(
@@ -43,6 +47,9 @@ async def run_peer(args, device: str) -> None:
         initial_peers=[] if args.new_swarm else args.initial_peers,
         layers=args.layers,
         max_layers=args.max_layers,
+        dtype=DTYPES[args.dtype],
+        quant=None if args.quant is None else WeightFormat(args.quant),
+        max_memory=args.max_memory,
         backup=args.backup,
         throughput=args.throughput,
         device=device,
@@ -69,7 +76,7 @@ async def run_peer(args, device: str) -> None:
         for maddr in maddrs:
             print(maddr, flush=True)
 
-    await serve(options, on_ready=ready)
+    await serve(options, on_ready=ready, others=others)
 
 
 def _check_device(device: str) -> None:
@@ -87,7 +94,7 @@ def client_model(args) -> RemoteCausalLM:
     """The client's part of the model (embeddings, head, tokenizer) and the user's adapter."""
     model = RemoteCausalLM(
         resolve_model(args.model), compression=args.compression, verify=args.verify, trusted_peers=args.trusted_peers,
-        local_layers=args.local_layers,
+        local_layers=args.local_layers, min_precision=args.min_precision,
     )
     if args.adapter is not None:
         model.adapter = Adapter.load(args.adapter, model.config, model.source)
@@ -131,13 +138,14 @@ async def api(args) -> None:
     await serve_api(
         sock, args.initial_peers, args.model, args.api_key, args.compression, args.verify,
         swarm_secret=load_secret(args.swarm_secret), trusted_peers=args.trusted_peers, local_layers=args.local_layers,
+        min_precision=args.min_precision,
     )
 
 
 async def serve_api(
     sock: socket.socket, initial_peers: list[str], model: str | None, api_key: str | None = None,
     compression: str = AUTO, verify: float = DEFAULT_RATE, swarm_secret: SwarmSecret | None = None,
-    trusted_peers: Path | None = None, local_layers: int = 0,
+    trusted_peers: Path | None = None, local_layers: int = 0, min_precision: str = "int4",
 ) -> None:
     """The OpenAI-compatible API on `sock` (listening) until SIGINT or SIGTERM, in this loop with its swarm client."""
     # fastapi and uvicorn load for this command only, not for every peer
@@ -145,7 +153,7 @@ async def serve_api(
 
     lm = await SwarmLM.connect(
         initial_peers, model, compression=compression, verify=verify, swarm_secret=swarm_secret,
-        trusted_peers=trusted_peers, local_layers=local_layers,
+        trusted_peers=trusted_peers, local_layers=local_layers, min_precision=min_precision,
     )
     try:
         http = server(create_app(lm, model_names(lm), api_key))

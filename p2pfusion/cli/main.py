@@ -16,17 +16,21 @@ from pathlib import Path
 from p2pfusion import __version__
 from p2pfusion.cli.options import (
     COMPRESSION,
+    DTYPES,
     INITIAL_PEERS,
     LOCAL_LAYERS,
     PORT,
     PRIVACY,
+    QUANTS,
     SWARM_SECRET,
     TRUSTED_PEERS,
     VERIFY,
     api_key,
+    gibibytes,
     ip_address,
     layer_range,
     mebibytes,
+    precision_options,
     temperature,
     throughput,
     whole_number,
@@ -82,6 +86,7 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     command.add_argument("--swarm-secret", **SWARM_SECRET)
     command.add_argument("--trusted-peers", **TRUSTED_PEERS)
     command.add_argument("--local-layers", **LOCAL_LAYERS)
+    precision_options(command)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,7 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     peer = _command(sub, "run-peer", "serve a range of a model's layers")
-    peer.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    peer.add_argument(
+        "--model", action="append",
+        help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct); given more than once, the "
+        "peer serves the one the swarm needs most",
+    )
     joining = peer.add_mutually_exclusive_group(required=True)
     joining.add_argument("--new-swarm", action="store_true", help="start a new swarm with this peer")
     joining.add_argument("--initial-peers", **INITIAL_PEERS)
@@ -113,6 +122,21 @@ def build_parser() -> argparse.ArgumentParser:
     where = peer.add_mutually_exclusive_group()
     where.add_argument("--gpu", type=whole_number(0), metavar="N", help="serve on CUDA device N")
     where.add_argument("--device", choices=["cpu", "cuda", "mps"], default="cpu", help="where the layers run")
+    peer.add_argument(
+        "--dtype", choices=DTYPES, default="float32",
+        help="what the layers compute in (and hold, without --quant): float32 gives transformers' tokens; "
+        "bfloat16 and float16 halve the memory",
+    )
+    peer.add_argument(
+        "--quant", choices=QUANTS,
+        help="hold the layers' weights quantized: int8 (torchao) takes a quarter of float32's memory, int4 "
+        "(bitsandbytes NF4) an eighth; clients choose which formats they accept",
+    )
+    peer.add_argument(
+        "--max-memory", type=gibibytes, metavar="GIB",
+        help="memory this peer may use in all (its weights, KV caches and, on CPU, the process itself): it "
+        "claims as many layers as fit (default: 80%% of the device's free memory)",
+    )
     peer.add_argument(
         "--host", default="127.0.0.1",
         help="IP address to listen on: 127.0.0.1 serves this machine only, 0.0.0.0 every interface",
@@ -199,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--swarm-secret", **SWARM_SECRET)
     api.add_argument("--trusted-peers", **TRUSTED_PEERS)
     api.add_argument("--local-layers", **LOCAL_LAYERS)
+    precision_options(api)
 
     view = _command(sub, "swarm", "show a swarm's stages, peers and bottleneck")
     view.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
@@ -236,6 +261,10 @@ def _configure_logging(verbose: bool) -> None:
     )
     for noisy in ("hivemind", "transformers", "httpx", "huggingface_hub", "uvicorn"):
         logging.getLogger(noisy).setLevel(logging.WARNING if not verbose else logging.INFO)
+    # importing torchao (transformers does when it is installed) warns of kernels for GPUs this machine
+    # lacks and of torch.compile internals: nothing a user can act on
+    for noisy in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(noisy).setLevel(logging.ERROR if not verbose else logging.INFO)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if not sys.stderr.isatty():
         # a progress bar redrawn into a file or pipe leaves fragments on every line: no bars from

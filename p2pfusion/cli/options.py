@@ -75,6 +75,17 @@ def throughput(text: str) -> str:
     return text
 
 
+def gibibytes(text: str) -> int:
+    """An argument type: a positive amount of memory in GiB (fractions allowed), as bytes."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB as a number, e.g. 1.5; got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
+    return int(value * (1 << 30))
+
+
 def mebibytes(text: str) -> int:
     try:
         value = int(text)
@@ -135,6 +146,25 @@ LOCAL_LAYERS = dict(
     help="run at least the first K layers on this machine (up to the next stage boundary), so no peer sees the "
     "token embeddings; costs client compute and memory",
 )
+
+# models/formats.py's WeightFormat, from most to least precise (named here: it would import torch)
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
+DTYPES = FORMATS[:3]
+QUANTS = FORMATS[3:]
+
+
+def precision_options(command: argparse.ArgumentParser) -> None:
+    """Which peers' weight formats a client routes through (peers announce theirs)."""
+    group = command.add_mutually_exclusive_group()
+    group.add_argument(
+        "--exact", dest="min_precision", action="store_const", const="float32", default="int4",
+        help="route only through float32 peers: the tokens transformers would give",
+    )
+    group.add_argument(
+        "--min-precision", choices=FORMATS, default="int4", metavar="FORMAT",
+        help=f"the least precise weight format a route may use, from most to least precise: {', '.join(FORMATS)} "
+        "(default: int4, any peer)",
+    )
 
 
 def api_key(text: str) -> str:

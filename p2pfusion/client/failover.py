@@ -29,13 +29,14 @@ from p2pfusion.client.adapters import RemoteParameters
 from p2pfusion.client.catalog import model_records
 from p2pfusion.client.health import PeerHealth
 from p2pfusion.client.reach import SCREEN_CONCURRENCY, ReachBook
-from p2pfusion.client.routing import expected_throughput, find_route, usable
+from p2pfusion.client.routing import expected_throughput, find_route, format_ranges, missing_layers, usable
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.client.trust import FalseClaim
 from p2pfusion.client.trusted import TrustedGap, trusted_records
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
+from p2pfusion.models.formats import WeightFormat, accepts
 from p2pfusion.net.compression import AUTO, Purpose
 from p2pfusion.net.links import LinkBook
 
@@ -67,6 +68,8 @@ class SwarmAccess:
     distrusted: set[str] = field(default_factory=set)
     # the only peers routes, failovers and checks may use (client/trusted.py); None: any peer
     trusted: frozenset[str] | None = None
+    # the least precise format a route may use (models/formats.py): INT4 takes every peer, FLOAT32 is --exact
+    minimum: WeightFormat = WeightFormat.INT4
     reach: ReachBook = field(default_factory=ReachBook)  # peers that answered this client's pings
     routed: Counter[str] = field(default_factory=Counter)  # peer id -> this client's sessions open through it
     _said: dict[str, float] = field(default_factory=dict)  # notice kind -> when it was last logged
@@ -84,10 +87,26 @@ class SwarmAccess:
         a trusted set, only its peers' records, or a TrustedGap when they no longer serve a layer
         from `first` on (the layers before it run on the client)."""
         records = await model_records(self.swarm, self.model, self.name)
+        accepted = [r for r in records if accepts(r.weights, self.minimum)]
+        if len(accepted) < len(records):
+            self._say_refused(records, accepted, first)
+        records = accepted
         if self.trusted is None:
             return records
         down = self.health.banned(records) | self.distrusted
         return trusted_records(records, self.trusted, self.num_layers, self.name, down, first)
+
+    def _say_refused(self, records: list[PeerRecord], accepted: list[PeerRecord], first: int) -> None:
+        """Say which layers only peers in formats this client refuses serve (routes wait for others)."""
+        serving = [r for r in records if r.state == PeerState.ONLINE]
+        only = set(missing_layers([r for r in serving if r in accepted], self.num_layers, first))
+        only -= set(missing_layers(serving, self.num_layers, first))
+        if only:
+            formats = sorted({r.weights for r in serving if r not in accepted})
+            self.notice("formats", (
+                f"layers {format_ranges(sorted(only))} of {self.name} are served only in {', '.join(formats)}, below "
+                f"the {self.minimum.value} this client accepts; waiting for other peers"
+            ))
 
     def session(
         self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE,

@@ -23,6 +23,7 @@ from p2pfusion.client.local_layers import LocalLayers, swarm_part
 from p2pfusion.client.routing import find_route, session_limit
 from p2pfusion.client.sampling import choose_token
 from p2pfusion.client.session import InferenceSession
+from p2pfusion.models.formats import WeightFormat, minimum_format
 from p2pfusion.client.trusted import TrustedPeers, trusted_peers as trusted_set
 from p2pfusion.client.verifier import Trust, Verifier
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
@@ -64,8 +65,10 @@ class RemoteCausalLM:
         verify: float = DEFAULT_RATE,
         trusted_peers: TrustedPeers = None,
         local_layers: int = 0,
+        min_precision: str = WeightFormat.INT4.value,
     ):
         self.source = source
+        self.minimum = minimum_format(min_precision)
         self.verify = check_rate(verify)
         self.trusted = trusted_set(trusted_peers)  # None: route through any peer
         self.swarm = swarm
@@ -143,7 +146,7 @@ class RemoteCausalLM:
             links = LinkBook(self.swarm.transport)
             self._swarm_access = SwarmAccess(
                 self.swarm, self.source.key, self.source.name, self.config.num_hidden_layers, self.health, links,
-                self.compression, trusted=self.trusted,
+                self.compression, trusted=self.trusted, minimum=self.minimum,
             )
             self._trust = Trust(self._swarm_access)
         return self._swarm_access

@@ -24,6 +24,7 @@ from p2pfusion.client.conversation import MAX_REWINDS, new_tokens_within
 from p2pfusion.client.generation import load_tokenizer
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.remote_layers import RemoteLayers, SwarmClient
+from p2pfusion.models.formats import WeightFormat, minimum_format
 from p2pfusion.client.trusted import TrustedPeers, trusted_peers as trusted_set
 from p2pfusion.client.verifier import Verifier
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
@@ -280,13 +281,15 @@ class AutoDistributedModelForCausalLM:
         verify: float = DEFAULT_RATE,
         swarm_secret: str | Path | SwarmSecret | None = None,
         trusted_peers: TrustedPeers = None,
+        min_precision: str = WeightFormat.INT4.value,
     ):
         """The model (a local folder, a .gguf file, a Hub id, or None for the default model) served by
         the swarm that `initial_peers` belong to. `tuning` ("prompt", "deep_prompt" or "lora") adds
         fresh trainable parameters; `adapter` loads saved ones instead. `verify`: the chance that
         a generation step's results are checked against other peers (0: never; a generation's
         end is always checked). `swarm_secret`: a private swarm's secret file (`p2pfusion swarm-secret`).
-        `trusted_peers`: route only through these peers (peer ids, or a trusted-peers file's path)."""
+        `trusted_peers`: route only through these peers (peer ids, or a trusted-peers file's path).
+        `min_precision`: the least precise weight format a route may use ("float32": exact)."""
         tuning_config = None if tuning is None else TuningConfig(
             tuning, rank=lora_rank, alpha=lora_alpha, targets=tuple(lora_targets), prompt_tokens=prompt_tokens
         )
@@ -295,6 +298,7 @@ class AutoDistributedModelForCausalLM:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
         secret = load_secret(swarm_secret)
         trusted = trusted_set(trusted_peers)
+        minimum = minimum_format(min_precision)
         source = resolve_model(model)
         config = load_config(source)
         head = load_head(source, dtype)
@@ -308,7 +312,8 @@ class AutoDistributedModelForCausalLM:
             raise
         positions = int(getattr(config, "max_position_embeddings", 2048))
         client = SwarmClient(
-            loop, swarm, source, config.num_hidden_layers, positions, compression, verify, dtype, trusted=trusted
+            loop, swarm, source, config.num_hidden_layers, positions, compression, verify, dtype, trusted=trusted,
+            minimum=minimum,
         )
         trainable = None
         if adapter is not None:

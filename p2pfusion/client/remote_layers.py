@@ -22,6 +22,7 @@ from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import RequestError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.net import messages as m
+from p2pfusion.models.formats import WeightFormat
 from p2pfusion.net.compression import Purpose
 from p2pfusion.net.links import LinkBook
 
@@ -33,12 +34,13 @@ class SwarmClient:
         verify: float = DEFAULT_RATE,
         dtype: torch.dtype = torch.float32,
         trusted: frozenset[str] | None = None,
+        minimum: WeightFormat = WeightFormat.INT4,
     ):
         self.loop = loop
         self.source = source
         health = PeerHealth(observed=load_observed(source.key))
         links = LinkBook(swarm.transport)
-        self.access = SwarmAccess(swarm, source.key, source.name, num_layers, health, links, compression, trusted=trusted)
+        self.access = SwarmAccess(swarm, source.key, source.name, num_layers, health, links, compression, trusted=trusted, minimum=minimum)
         self.trust = Trust(self.access)
         self.verify = verify
         self.dtype = dtype

@@ -25,6 +25,7 @@ from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.stops import StopText, cut_at_stop
 from p2pfusion.client.text import TextPieces
+from p2pfusion.models.formats import WeightFormat
 from p2pfusion.client.trusted import TrustedPeers
 from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
@@ -85,6 +86,7 @@ class SwarmLM:
         swarm_secret: str | Path | SwarmSecret | None = None,
         trusted_peers: TrustedPeers = None,
         local_layers: int = 0,
+        min_precision: str = WeightFormat.INT4.value,
     ) -> SwarmLM:
         """Load the client's part of `model` (a folder, a .gguf file, a Hub id, or None for the
         default model) and join the swarm that `initial_peers` belong to. `verify`: the chance that
@@ -92,13 +94,13 @@ class SwarmLM:
         `swarm_secret`: a private swarm's secret file (`p2pfusion swarm-secret`). `trusted_peers`:
         route only through these peers (peer ids, or a trusted-peers file's path). `local_layers`: run
         at least the first K layers here (up to the next stage boundary), so no peer sees the token
-        embeddings."""
+        embeddings. `min_precision`: the least precise weight format a route may use ("float32": exact)."""
         if not initial_peers:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
         check_rate(verify)
         secret = load_secret(swarm_secret)
         # loading reads (and may convert) weights: the caller's loop keeps serving meanwhile
-        core = await asyncio.to_thread(_load_core, model, compression, verify, dtype, trusted_peers, local_layers)
+        core = await asyncio.to_thread(_load_core, model, compression, verify, dtype, trusted_peers, local_layers, min_precision)
         core.swarm = await join_swarm(list(initial_peers), client_mode=True, secret=secret)
         return cls(core, owns_swarm=True)
 
@@ -274,12 +276,13 @@ class SwarmLMSync:
         swarm_secret: str | Path | SwarmSecret | None = None,
         trusted_peers: TrustedPeers = None,
         local_layers: int = 0,
+        min_precision: str = WeightFormat.INT4.value,
     ):
         self._loop = BackgroundLoop("p2pfusion-lm")
         try:
             self.lm = self._run(SwarmLM.connect(
                 initial_peers, model, compression=compression, verify=verify, dtype=dtype, swarm_secret=swarm_secret,
-                trusted_peers=trusted_peers, local_layers=local_layers,
+                trusted_peers=trusted_peers, local_layers=local_layers, min_precision=min_precision,
             ))
         except BaseException:
             self._loop.close()
@@ -337,11 +340,12 @@ class SwarmLMSync:
 
 def _load_core(
     model: str | ModelSource | None, compression: str, verify: float, dtype: torch.dtype, trusted_peers: TrustedPeers = None,
-    local_layers: int = 0,
+    local_layers: int = 0, min_precision: str = WeightFormat.INT4.value,
 ) -> RemoteCausalLM:
     source = model if isinstance(model, ModelSource) else resolve_model(model)
     return RemoteCausalLM(
-        source, dtype=dtype, compression=compression, verify=verify, trusted_peers=trusted_peers, local_layers=local_layers
+        source, dtype=dtype, compression=compression, verify=verify, trusted_peers=trusted_peers, local_layers=local_layers,
+        min_precision=min_precision,
     )
 
 

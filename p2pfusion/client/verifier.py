@@ -92,6 +92,7 @@ class Verifier:
         self.trust = trust
         self.source = source
         self.rate = rate
+        self.dtype = dtype
         self.bar = tolerance(self.access.compression, dtype)
         self.hop_bar = hop_tolerance(self.access.compression, dtype)
         self.outputs: list[torch.Tensor] = []  # the route's output per step, beside session.history
@@ -176,6 +177,9 @@ class Verifier:
     async def _records(self) -> list[PeerRecord]:
         records = await self.access.records(self.session.first)  # with a trusted set, only its peers ever check a hop
         self._known = {r.peer_id: r for r in records}
+        formats = {r.weights for r in records}  # the routes compared may take any of them
+        self.bar = tolerance(self.access.compression, self.dtype, formats)
+        self.hop_bar = hop_tolerance(self.access.compression, self.dtype, formats)
         return records
 
     def _avoided(self, records: list[PeerRecord]) -> set[str]:

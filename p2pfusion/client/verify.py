@@ -29,6 +29,11 @@ MIN_REPORTERS = 2  # distinct clients whose fault reports make others distrust a
 # decoding 2.5e-6; float16 on the wire 1.5e-3, bfloat16 9.3e-3; float16 compute 6.6e-3, bfloat16
 # compute on one hop 2.5e-2. Each bar is those figures with a margin of 6x to 80x.
 COMPUTE_TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 0.2}
+# The same per weight format of the peers (scripts/bench_formats.py, all 30 layers in the format
+# against float32): bfloat16 8.2e-2, float16 7.8e-3, int8 1.0e-1, int4 0.77. Routes are compared
+# with the bar of the least precise format among the swarm's peers. Against int4 peers that bar
+# catches only gross lies (noise, zeros, another model's states).
+FORMAT_TOLERANCE = {"float32": 2e-4, "float16": 5e-2, "bfloat16": 0.2, "int8": 0.3, "int4": 2.0}
 WIRE_TOLERANCE = {Codec.NONE: 0.0, Codec.FLOAT16: 2e-2, Codec.BFLOAT16: 5e-2, Codec.INT8: 0.1, Codec.TOPK: math.inf}
 # One hop's output is compared with a tighter bar: what a hop adds, later layers amplify (noise
 # of 1e-4 on a middle hop's output reached the last hop's as 4.6e-4).
@@ -41,15 +46,17 @@ def check_rate(rate: float) -> float:
     return rate
 
 
-def tolerance(compression: str, dtype: torch.dtype) -> float:
+def tolerance(compression: str, dtype: torch.dtype, formats: Collection[str] = ()) -> float:
     """The largest per-position relative error honest routes show, for a session's codec choice
-    (`auto` may have sent float16 on a slow link) and the dtype of its hidden states."""
+    (`auto` may have sent float16 on a slow link), the dtype of its hidden states and the weight
+    formats of the peers that may compute them."""
     wire = WIRE_TOLERANCE[Codec.FLOAT16] if compression == AUTO else WIRE_TOLERANCE[Codec(compression)]
-    return max(COMPUTE_TOLERANCE.get(dtype, COMPUTE_TOLERANCE[torch.bfloat16]), wire)
+    weights = [FORMAT_TOLERANCE.get(f, math.inf) for f in formats]
+    return max(COMPUTE_TOLERANCE.get(dtype, COMPUTE_TOLERANCE[torch.bfloat16]), wire, *weights)
 
 
-def hop_tolerance(compression: str, dtype: torch.dtype) -> float:
-    return HOP_SHARE * tolerance(compression, dtype)
+def hop_tolerance(compression: str, dtype: torch.dtype, formats: Collection[str] = ()) -> float:
+    return HOP_SHARE * tolerance(compression, dtype, formats)
 
 
 def relative_errors(claimed: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -35,6 +35,16 @@ LOAD_FIELDS = ("sessions", "queued", "cache_used", "cache_total", "token_bytes")
 MAX_COUNT = 1 << 53  # any load figure past it is no figure a peer could hold (and not exact as a float)
 
 
+MAX_FORMAT_NAME = 16
+
+
+def _format_name(raw: Any) -> str:
+    """A format's name as another peer wrote it: short and plain (whether it is known is the reader's call)."""
+    if not isinstance(raw, str) or not 0 < len(raw) <= MAX_FORMAT_NAME or not raw.isalnum():
+        raise ValueError(f"not a format name: {raw!r}")
+    return raw
+
+
 def _count(raw: Any) -> int:
     if type(raw) is not int or not 0 <= raw <= MAX_COUNT:
         raise ValueError(f"not a count: {raw!r}")
@@ -67,6 +77,8 @@ class PeerRecord:
     cache_used: int = 0  # bytes of KV cache its sessions reserve
     cache_total: int = 0  # bytes of KV cache it gives sessions (0: not announced)
     token_bytes: int = 0  # bytes of KV cache one token reserves through its layers (0: not announced)
+    # the format its layers are held in (models/formats.py): clients choose which they accept
+    weights: str = "float32"
 
     @property
     def span(self) -> int:
@@ -111,6 +123,7 @@ class PeerRecord:
                 data_addrs=[str(a) for a in value.get("data_addrs", [])][:MAX_DATA_ADDRS],
                 max_length=int(value.get("max_length", 2048)),
                 since=float(value.get("since", 0.0)),
+                weights=_format_name(value.get("weights", "float32")),
                 **{name: _count(value.get(name, 0)) for name in LOAD_FIELDS},
             )
         except (KeyError, TypeError, ValueError, IndexError):

@@ -32,10 +32,10 @@ from transformers.initialization import no_init_weights
 from p2pfusion.errors import ModelError
 from p2pfusion.models.adapters import StageAdapter, applied
 from p2pfusion.models.fingerprint import weight_files
+from p2pfusion.models.formats import LAYER_PREFIX, WeightFormat, is_weight, quantize, stored_bytes, weight_format, weight_storages
 from p2pfusion.models.kv_cache import SessionCache, batchable, batched_step
 from p2pfusion.models.source import ModelSource
 
-LAYER_PREFIX = "model.layers."
 
 
 def load_config(source: ModelSource) -> PretrainedConfig:
@@ -89,6 +89,7 @@ class Stage:
     hidden_size: int
     device: torch.device = torch.device("cpu")
     batchable: bool = False  # sessions' steps may run as one batch (models.kv_cache)
+    format: WeightFormat = WeightFormat.FLOAT32
 
     def new_cache(self) -> SessionCache | DynamicCache:
         if self.batchable:
@@ -100,12 +101,12 @@ class Stage:
             position_ids = torch.arange(offset, offset + hidden.shape[1], device=self.device).unsqueeze(0)
         with applied(self.module, adapter, offset):
             return self.module(
-                inputs_embeds=hidden.to(self.device),
+                inputs_embeds=hidden.to(self.device, self.dtype),
                 attention_mask=None if attention_mask is None else attention_mask.to(self.device),
                 position_ids=position_ids.to(self.device),
                 past_key_values=cache,
                 use_cache=cache is not None,
-            ).last_hidden_state
+            ).last_hidden_state.to(hidden.dtype)  # hidden states travel in the sender's dtype, whatever ours
 
     @torch.inference_mode()
     def forward(
@@ -137,13 +138,13 @@ class Stage:
         rows = [h.shape[0] for h in hidden]
         step = batched_step(caches, rows, hidden[0].shape[1], masks, positions)
         out = self.module(
-            inputs_embeds=torch.cat(hidden).to(self.device),
+            inputs_embeds=torch.cat([h.to(self.dtype) for h in hidden]).to(self.device),
             attention_mask=step.attention_mask.to(self.device),
             position_ids=step.position_ids.to(self.device),
             past_key_values=step.cache,
             use_cache=True,
         ).last_hidden_state.cpu()
-        return list(out.split(rows))
+        return [part.to(h.dtype) for part, h in zip(out.split(rows), hidden)]
 
     def forward_for_backward(
         self,
@@ -154,12 +155,12 @@ class Stage:
     ) -> Graph:
         """A full-sequence forward that keeps its autograd graph, and how many bytes of activations
         the graph holds (the weights it refers to are not counted: they exist anyway)."""
-        weights = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        weights = weight_storages(self.module)
         held = 0
 
         def keep(tensor: torch.Tensor) -> torch.Tensor:
             nonlocal held
-            if tensor.untyped_storage().data_ptr() not in weights:
+            if not is_weight(tensor, weights):
                 held += tensor.numel() * tensor.element_size()
             return tensor
 
@@ -177,35 +178,61 @@ class Stage:
         return grads[0].cpu(), [g.cpu() for g in params]
 
     def parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.module.parameters())
+        """Bytes its weights take, as stored (a quantized weight's packed data and scales)."""
+        return stored_bytes(self.module)
 
 
-def _read_weights(folder: Path, rename) -> dict[str, torch.Tensor]:
-    """Read only the tensors that `rename` maps to a name (it returns None for the others)."""
-    weights = {}
+def _tensor_files(folder: Path) -> dict[str, Path]:
+    """Which file holds each tensor (from the headers only: no weight is read)."""
+    files = {}
     for path in weight_files(folder):
         with safe_open(str(path), framework="pt") as f:
-            wanted = [(key, rename(key)) for key in f.keys()]
-            wanted = [(key, new_key) for key, new_key in wanted if new_key is not None]
-            for key, new_key in tqdm(wanted, desc=f"loading {path.name}", unit="tensor", leave=False, file=sys.stderr,
-                                      disable=not sys.stderr.isatty()):
-                weights[new_key] = f.get_tensor(key)
+            files.update((key, path) for key in f.keys())
+    return files
+
+
+def _read(files: dict[str, Path], wanted: dict[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Tensors `wanted` (file name -> module name), each converted to `dtype` as it is read, so a
+    half-precision peer never holds a float32 copy of more than one tensor."""
+    weights = {}
+    by_file: dict[Path, list[str]] = {}
+    for key in wanted:
+        by_file.setdefault(files[key], []).append(key)
+    for path, keys in by_file.items():
+        with safe_open(str(path), framework="pt") as f:
+            for key in keys:
+                tensor = f.get_tensor(key)
+                weights[wanted[key]] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return weights
 
 
-def _materialize(module: nn.Module, weights: dict[str, torch.Tensor], dtype: torch.dtype, what: str) -> None:
+def _progress(total: int, what: str) -> tqdm:
+    return tqdm(total=total, desc=f"loading {what}", unit="layer", leave=False, file=sys.stderr,
+                disable=not sys.stderr.isatty())
+
+
+def _materialize(module: nn.Module, weights: dict[str, torch.Tensor], what: str) -> None:
     missing = {n for n, _ in module.named_parameters()} - set(weights)
     if missing:
         raise ModelError(f"weights missing for {what}: {sorted(missing)[:3]}")
     module.load_state_dict(weights, strict=False, assign=True)
-    module.to(dtype)
+
+
+def _frozen(module: nn.Module, device: str, dtype: torch.dtype | None) -> nn.Module:
+    """Moved to `device` (and buffers too to `dtype`, as transformers' own loading does), for inference."""
+    module.to(device=device, dtype=dtype)
     module.eval()
     module.requires_grad_(False)
+    return module
 
 
 def load_stage(
-    source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    quant: WeightFormat | None = None,
 ) -> Stage:
+    """Layers [start, end) computing in `dtype`, their linear weights quantized to `quant` if given.
+    Layers are read (and quantized) one at a time, so loading never holds more than one layer in
+    a wider format than the stage keeps."""
     config = load_config(source)
     total = config.num_hidden_layers
     if not 0 <= start < end <= total:
@@ -215,18 +242,23 @@ def load_stage(
         module = AutoModel.from_config(_without_vocab(sliced))
     module.embed_tokens = _Passthrough()
     module.norm = _Passthrough()
-
-    def rename(key: str) -> str | None:
-        if not key.startswith(LAYER_PREFIX):
-            return None
-        index, rest = key[len(LAYER_PREFIX):].split(".", 1)
-        if start <= int(index) < end:
-            return f"layers.{int(index) - start}.{rest}"
-        return None
-
-    _materialize(module, _read_weights(source.folder, rename), dtype, f"layers {start}:{end}")
-    module.to(device)
-    return Stage(start, end, module, dtype, config.hidden_size, torch.device(device), batchable(sliced))
+    files = _tensor_files(source.folder)
+    by_layer: dict[int, dict[str, str]] = {}
+    for key in files:
+        if key.startswith(LAYER_PREFIX):
+            index, rest = key[len(LAYER_PREFIX):].split(".", 1)
+            if start <= int(index) < end:
+                by_layer.setdefault(int(index), {})[key] = rest
+    with _progress(end - start, f"layers {start}:{end}") as bar:
+        for index in range(start, end):
+            layer = module.layers[index - start]
+            _materialize(layer, _read(files, by_layer.get(index, {}), dtype), f"layer {index}")
+            if quant is not None:
+                quantize(layer, quant, dtype, device)
+            bar.update()
+    _frozen(module, device, dtype if quant is None else None)
+    fmt = quant if quant is not None else weight_format(dtype, None)
+    return Stage(start, end, module, dtype, config.hidden_size, torch.device(device), batchable(sliced), fmt)
 
 
 def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -236,11 +268,9 @@ def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Mod
     with no_init_weights():
         head = AutoModelForCausalLM.from_config(head_config)
 
-    def rename(key: str) -> str | None:
-        return None if key.startswith(LAYER_PREFIX) else key
-
-    weights = _read_weights(source.folder, rename)
+    files = _tensor_files(source.folder)
+    weights = _read(files, {key: key for key in files if not key.startswith(LAYER_PREFIX)}, dtype)
     if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    _materialize(head, weights, dtype, "the embeddings and LM head")
-    return head
+    _materialize(head, weights, "the embeddings and LM head")
+    return _frozen(head, "cpu", dtype)

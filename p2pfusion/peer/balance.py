@@ -189,3 +189,17 @@ def unguarded_gap(records: list[PeerRecord], num_layers: int) -> bool:
     served = layer_throughputs(records, num_layers)
     guarded = layer_replicas(records, num_layers, (PeerState.BACKUP,))
     return any(t <= 0 and not g for t, g in zip(served, guarded))
+
+
+def choose_model(models: dict[str, tuple[list[PeerRecord], int]]) -> str:
+    """Of the models a peer may serve (key -> the model's records and its layer count), the one
+    that needs it most: the largest share of layers nobody serves, then the busiest (demand over
+    capacity), then the fewest serving peers; the first listed on a tie."""
+    def need(key: str) -> tuple[float, float, int]:
+        records, num_layers = models[key]
+        served = layer_throughputs(records, num_layers)
+        gaps = sum(t <= 0 for t in served) / num_layers
+        peers = sum(1 for r in map(planned, records) if r.serving)
+        return gaps, utilization(records, num_layers), -peers
+
+    return max(models, key=need)  # max keeps the first of equals

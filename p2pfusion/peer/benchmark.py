@@ -1,6 +1,6 @@
-"""Measure what this peer can offer: compute per layer, layers that fit in memory, link speed.
+"""Measure what this peer can offer: compute per layer and link speed.
 
-Compute and memory results are cached on disk, keyed by model, device and dtype, so a restart
+Compute results are cached on disk, keyed by model, device and weight format, so a restart
 does not measure again (`--throughput eval` forces it). Links are measured at every start, to
 peers of the swarm it joins, over our own transport: there is no speed-test server.
 """
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from p2pfusion.models.formats import WeightFormat
 from p2pfusion.models.source import ModelSource, cache_root, safe_name
 from p2pfusion.models.stage import load_config, load_stage
 
@@ -29,8 +30,6 @@ PROBE_LAYERS = 4  # timed together, so per-call overhead is shared as in a real 
 PREFILL_TOKENS = 16
 DECODE_STEPS = 24
 BATCH_TOKENS = 128
-KV_SESSIONS = 8  # sessions of full length whose KV cache a peer keeps room for
-MEMORY_SHARE = 0.8  # of the free memory, the share weights and caches may take
 THREADS_MARGIN = 0.1
 
 
@@ -38,7 +37,6 @@ THREADS_MARGIN = 0.1
 class ComputeBenchmark:
     decode_rate: float  # one-token steps per second through one layer, with a KV cache
     batch_rate: float  # tokens per second through one layer, in a 1x128 forward
-    max_layers: int  # layers that fit in memory, with room for KV caches
     device_name: str
     # CPU threads for one-token steps: their matrices are small, so one thread often beats
     # several that must be woken for every op (and stages sharing cores must not spin)
@@ -71,8 +69,9 @@ def free_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _cache_path(source: ModelSource, device: str, dtype: torch.dtype) -> Path:
-    return cache_root() / "benchmarks" / f"{safe_name(f'{source.key}-{device}-{dtype}')}.json"
+def _cache_path(source: ModelSource, device: str, dtype: torch.dtype, quant: WeightFormat | None) -> Path:
+    fmt = f"{dtype}-{quant.value}" if quant is not None else str(dtype)
+    return cache_root() / "benchmarks" / f"{safe_name(f'{source.key}-{device}-{fmt}')}.json"
 
 
 def _timed(fn, bar: tqdm) -> float:
@@ -84,10 +83,10 @@ def _timed(fn, bar: tqdm) -> float:
     return time.perf_counter() - t0
 
 
-def measure_compute(source: ModelSource, device: str, dtype: torch.dtype) -> ComputeBenchmark:
+def measure_compute(source: ModelSource, device: str, dtype: torch.dtype, quant: WeightFormat | None) -> ComputeBenchmark:
     config = load_config(source)
     layers = min(PROBE_LAYERS, config.num_hidden_layers)
-    stage = load_stage(source, 0, layers, dtype, device)
+    stage = load_stage(source, 0, layers, dtype, device, quant)
     hidden = config.hidden_size
     all_threads = torch.get_num_threads()
     thread_options = sorted({1, all_threads}) if device == "cpu" else [all_threads]
@@ -96,15 +95,15 @@ def measure_compute(source: ModelSource, device: str, dtype: torch.dtype) -> Com
               disable=not sys.stderr.isatty()) as bar:
         caches = {threads: stage.new_cache() for threads in thread_options}
         for cache in caches.values():
-            stage.forward(torch.randn(1, PREFILL_TOKENS, hidden, dtype=dtype), 0, cache)
+            stage.forward(torch.randn(1, PREFILL_TOKENS, hidden), 0, cache)
         step_times: dict[int, list[float]] = {threads: [] for threads in thread_options}
         for i in range(DECODE_STEPS):  # the options take turns, so a busy moment hits both
             for threads, cache in caches.items():
                 torch.set_num_threads(threads)
-                step = torch.randn(1, 1, hidden, dtype=dtype)
+                step = torch.randn(1, 1, hidden)
                 step_times[threads].append(_timed(lambda: stage.forward(step, PREFILL_TOKENS + i, cache), bar))
         torch.set_num_threads(all_threads)
-        batch = torch.randn(1, BATCH_TOKENS, hidden, dtype=dtype)
+        batch = torch.randn(1, BATCH_TOKENS, hidden)
         batch_times = [_timed(lambda: stage.forward(batch, 0, None), bar) for _ in range(3)]
     # the median step: the first ones warm caches up, and a shared machine has bad moments
     step_seconds = {threads: statistics.median(times) for threads, times in step_times.items()}
@@ -114,19 +113,14 @@ def measure_compute(source: ModelSource, device: str, dtype: torch.dtype) -> Com
         decode_threads = max(thread_options)
     decode_rate = layers / step_seconds[decode_threads]
     batch_rate = layers * BATCH_TOKENS / min(batch_times)
-    layer_bytes = stage.parameter_bytes() / layers
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    max_length = getattr(config, "max_position_embeddings", 2048)
-    kv_bytes = 2 * kv_heads * head_dim * dtype.itemsize * max_length * KV_SESSIONS
-    fit = int(free_memory(device) * MEMORY_SHARE // (layer_bytes + kv_bytes))
-    max_layers = max(1, min(fit, config.num_hidden_layers))
-    return ComputeBenchmark(decode_rate, batch_rate, max_layers, device_name(device), decode_threads)
+    return ComputeBenchmark(decode_rate, batch_rate, device_name(device), decode_threads)
 
 
-def compute_benchmark(source: ModelSource, device: str, dtype: torch.dtype, force: bool = False) -> ComputeBenchmark:
-    """The cached measurement for this model, device and dtype, or a new one."""
-    path = _cache_path(source, device, dtype)
+def compute_benchmark(
+    source: ModelSource, device: str, dtype: torch.dtype, quant: WeightFormat | None = None, force: bool = False,
+) -> ComputeBenchmark:
+    """The cached measurement for this model, device and format, or a new one."""
+    path = _cache_path(source, device, dtype, quant)
     if not force:
         try:
             cached = ComputeBenchmark(**json.loads(path.read_text()))
@@ -134,10 +128,10 @@ def compute_benchmark(source: ModelSource, device: str, dtype: torch.dtype, forc
             return cached
         except (OSError, ValueError, TypeError):
             pass
-    result = measure_compute(source, device, dtype)
+    result = measure_compute(source, device, dtype, quant)
     log.info(
-        "benchmark: %.0f layer-steps/s decoding (%d threads), %.0f layer-tokens/s in batches; %d layers fit",
-        result.decode_rate, result.decode_threads, result.batch_rate, result.max_layers,
+        "benchmark: %.0f layer-steps/s decoding (%d threads), %.0f layer-tokens/s in batches",
+        result.decode_rate, result.decode_threads, result.batch_rate,
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from p2pfusion.models.adapters import MAX_PROMPT_TOKENS, MAX_RANK
@@ -49,10 +50,14 @@ def adapter_bytes(stage: Stage, model_layers: int) -> int:
 
 def token_bytes(stage: Stage) -> int:
     """KV cache one position reserves through the stage's layers."""
-    config = stage.module.config
-    heads = config.num_key_value_heads or config.num_attention_heads
+    return layers_token_bytes(stage.module.config, stage.end - stage.start, stage.dtype)
+
+
+def layers_token_bytes(config, layers: int, dtype: torch.dtype) -> int:
+    """KV cache one position reserves through `layers` layers of a model with this config."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return kv_bytes_per_token(stage.end - stage.start, heads, head_dim, stage.dtype.itemsize)
+    return kv_bytes_per_token(layers, heads, head_dim, dtype.itemsize)
 
 
 def step_bytes(stage: Stage) -> int:

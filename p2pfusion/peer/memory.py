@@ -1,15 +1,52 @@
-"""How much memory a peer gives sessions' KV caches, and giving freed memory back to the system."""
+"""How many layers fit a peer's memory, how much it gives sessions' KV caches, and giving freed
+memory back to the system.
+
+A peer's budget (`--max-memory`, or by default most of what the device has free) covers
+everything the peer holds: on CPU, the process itself too (its interpreter and libraries, read
+from its resident set before any layer loads, and SERVING_RESERVE for what serving adds). Layers
+take their size in the peer's format, and
+each keeps room for KV_RESERVE_TOKENS tokens of KV cache (fewer if no session may be that long);
+what is left once they are loaded goes to sessions and activations.
+"""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import logging
+import os
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 CACHE_SHARE = 0.5  # of the memory left free once the weights are loaded
+MEMORY_SHARE = 0.8  # of the device's free memory, what a peer takes when not told (--max-memory)
+KV_RESERVE_TOKENS = 4096  # tokens of KV cache each layer keeps room for (at most the peer's --max-length)
+# what serving adds to the process beyond its layers: library code paged in by the first steps and
+# a step's activations (a peer of 9 float32 layers of 64 MiB grew by about 100 MiB over its first steps)
+SERVING_RESERVE = 128 << 20
 TRIM_AFTER = 16 << 20  # bytes of sessions freed before the heap is trimmed (or none left open)
+
+
+def layers_that_fit(budget: int, used: int, layer_bytes: int, kv_token_bytes: int, max_length: int) -> int:
+    """Layers of `layer_bytes` each (with their KV reserve) that fit in `budget` bytes, `used`
+    of which the peer already holds; its sessions are at most `max_length` tokens long."""
+    reserve = min(KV_RESERVE_TOKENS, max_length) * kv_token_bytes
+    return max(budget - used - SERVING_RESERVE, 0) // (layer_bytes + reserve)
+
+
+def default_budget(free: int, used: int) -> int:
+    """A peer's budget when its operator sets none: most of the device's free memory, plus what it holds."""
+    return int(MEMORY_SHARE * free) + used
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (0 where /proc is missing: then the budget is all for layers)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def default_cache_memory(free: int, weights: int) -> int:

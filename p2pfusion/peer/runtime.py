@@ -18,6 +18,8 @@ import torch
 
 from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.errors import ModelError
+from p2pfusion.models.formats import WeightFormat, layer_sizes, weight_format
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_config, load_stage
 from p2pfusion.net import probe
@@ -28,8 +30,8 @@ from p2pfusion.peer.balance import Capacity, Placement, place_peer, reclaim, sta
 from p2pfusion.peer.admission import Budget
 from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name, free_memory
 from p2pfusion.peer.directory import HopDirectory
-from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimits
-from p2pfusion.peer.memory import default_cache_memory
+from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimits, layers_token_bytes
+from p2pfusion.peer.memory import KV_RESERVE_TOKENS, default_budget, default_cache_memory, layers_that_fit, resident_bytes
 from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.server import StageServer
 
@@ -50,7 +52,9 @@ class PeerOptions:
     backup: bool = False
     throughput: str = "auto"  # "auto" (cached benchmark), "eval" (measure again) or a number
     device: str = "cpu"
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # what the layers compute in
+    quant: WeightFormat | None = None  # int8 or int4 weights (--quant); None: weights in `dtype`
+    max_memory: int | None = None  # bytes this peer may hold in all (--max-memory); None: peer/memory.py's default
     host: str = "127.0.0.1"
     announce_host: str | None = None  # the address other hosts reach this one at
     port: int = 0
@@ -115,8 +119,32 @@ class Peer:
         given = self.options.throughput
         if given not in ("auto", "eval"):
             threads = torch.get_num_threads()  # not measured: keep torch's own choice
-            return ComputeBenchmark(float(given), float(given), self.num_layers, device_name(self.options.device), threads)
-        return compute_benchmark(self.options.source, self.options.device, self.options.dtype, force=given == "eval")
+            return ComputeBenchmark(float(given), float(given), device_name(self.options.device), threads)
+        options = self.options
+        return compute_benchmark(options.source, options.device, options.dtype, options.quant, force=given == "eval")
+
+    @property
+    def format(self) -> WeightFormat:
+        return weight_format(self.options.dtype, self.options.quant)
+
+    def _layers_that_fit(self) -> int:
+        """Layers this peer's budget holds in its format, read from the weights' headers."""
+        options, mib = self.options, 1 << 20
+        used = resident_bytes() if options.device == "cpu" else 0  # a GPU's budget is its own memory
+        budget = options.max_memory
+        if budget is None:
+            budget = default_budget(free_memory(options.device), used)
+        layer = max(layer_sizes(options.source.folder, self.num_layers, self.format, options.dtype))
+        kv = layers_token_bytes(self.config, 1, options.dtype)
+        fit = min(layers_that_fit(budget, used, layer, kv, options.max_length), self.num_layers)
+        if fit < 1:
+            raise ModelError(
+                f"{budget / mib:.0f} MiB of memory cannot hold one layer of {options.source.name} in {self.format.value} "
+                f"({layer / mib:.0f} MiB, and {KV_RESERVE_TOKENS} tokens of KV cache), with {used / mib:.0f} MiB "
+                "already in use: raise --max-memory or choose a smaller --quant"
+            )
+        log.info("%d layers of %.0f MiB (%s) fit in %.0f MiB", fit, layer / mib, self.format.value, budget / mib)
+        return fit
 
     async def _measure_links(self, records: list[PeerRecord]) -> tuple[float | None, float | None]:
         """Tokens/s of hidden states and the round trip, to a few peers (median); None when alone."""
@@ -125,7 +153,7 @@ class Peer:
         speeds = [s for s in speeds if s is not None]  # an unreachable peer is simply not measured
         if not speeds:
             return None, None
-        bytes_per_token = self.config.hidden_size * self.options.dtype.itemsize
+        bytes_per_token = self.config.hidden_size * 4  # hidden states travel as float32 unless a link compresses them
         rate = statistics.median(s.bytes_per_second for s in speeds) / bytes_per_token
         return rate, statistics.median(s.rtt for s in speeds)
 
@@ -149,7 +177,12 @@ class Peer:
         bench = await asyncio.to_thread(self._benchmark)
         records, _ = await self.live_records()
         network_rate, rtt = await self._measure_links(records)
-        max_layers = min(self.options.max_layers or self.num_layers, bench.max_layers)
+        fit = self._layers_that_fit()
+        if self.options.layers is not None and self.options.max_memory is not None:
+            start, end = self.options.layers
+            if end - start > fit:
+                raise ModelError(f"--layers {start}:{end} needs {end - start} layers, but --max-memory holds {fit}")
+        max_layers = min(self.options.max_layers or self.num_layers, fit)
         self.capacity = Capacity(bench.decode_rate, network_rate, max_layers)
         placement = self._placement(records)
         self.record = PeerRecord(
@@ -157,12 +190,12 @@ class Peer:
             start=placement.start, end=placement.end, state=PeerState.JOINING,
             compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
             batch_rate=bench.batch_rate, rtt=rtt, data_addrs=self.swarm.transport.data_addrs,
-            max_length=self.options.max_length, since=time.time(),
+            max_length=self.options.max_length, since=time.time(), weights=self.format.value,
         )
         await self.announce()
         if self.options.layers is None:
             placement = await self._settle(placement)
-        free = free_memory(self.options.device)  # before the weights take their part
+        free = self._room()  # before the weights take their part
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
             stage, self.swarm.transport, self.links, self.directory, self._serving_limits(stage, free), self.num_layers,
@@ -174,12 +207,19 @@ class Peer:
         role = "a warm backup of" if placement.backup else "serving"
         log.info("%s layers %d:%d as %s", role, placement.start, placement.end, self.swarm.peer_id)
 
+    def _room(self) -> int:
+        """Bytes this peer may still fill: its budget less what it holds, or the device's free memory."""
+        options = self.options
+        if options.max_memory is None:
+            return free_memory(options.device)
+        return options.max_memory - (resident_bytes() if options.device == "cpu" else 0)
+
     def _serving_limits(self, stage: Stage, free: int) -> ServingLimits:
         """`free`: bytes the device had free before `stage` was loaded."""
         options, mib = self.options, 1 << 20
         total = options.cache_memory
         if total is None:
-            weights = sum(t.numel() * t.element_size() for t in [*stage.module.parameters(), *stage.module.buffers()])
+            weights = stage.parameter_bytes()
             total = default_cache_memory(free, weights)
             log.info(
                 "sessions may reserve %.0f MiB of KV cache: half of the %.0f MiB free less %.0f MiB of weights "
@@ -213,7 +253,8 @@ class Peer:
     async def load(self, start: int, end: int):
         log.info("loading layers %d:%d of %s", start, end, self.model)
         t0 = time.perf_counter()
-        stage = await asyncio.to_thread(load_stage, self.options.source, start, end, self.options.dtype, self.options.device)
+        options = self.options
+        stage = await asyncio.to_thread(load_stage, options.source, start, end, options.dtype, options.device, options.quant)
         self.reload_seconds_per_layer = (time.perf_counter() - t0) / (end - start)
         return stage
 

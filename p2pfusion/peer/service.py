@@ -6,20 +6,28 @@ import asyncio
 import gc
 import logging
 import signal
+from collections.abc import Sequence
+from dataclasses import replace
 
-from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.dht.swarm import SwarmNode, join_swarm
+from p2pfusion.models.source import ModelSource
+from p2pfusion.models.stage import load_config
+from p2pfusion.peer.balance import choose_model
 from p2pfusion.peer.runtime import Peer, PeerOptions
 from p2pfusion.peer.upkeep import Upkeep
 
 log = logging.getLogger(__name__)
 
 
-async def serve(options: PeerOptions, on_ready=None) -> None:
-    """Run a peer until SIGINT or SIGTERM. `on_ready(maddrs)` is called once it serves."""
+async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSource] = ()) -> None:
+    """Run a peer until SIGINT or SIGTERM. `on_ready(maddrs)` is called once it serves. With
+    `others`, the peer serves whichever of them and `options.source` the swarm needs most."""
     swarm = await join_swarm(
         options.initial_peers, options.host, options.port, options.identity,
         data_port=options.data_port, announce_host=options.announce_host, secret=options.swarm_secret,
     )
+    if others:
+        options = replace(options, source=await _needed_most(swarm, [options.source, *others]))
     peer = Peer(options, swarm)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -45,3 +53,11 @@ async def serve(options: PeerOptions, on_ready=None) -> None:
         await peer.leave()
     finally:
         await swarm.shutdown()
+
+
+async def _needed_most(swarm: SwarmNode, sources: list[ModelSource]) -> ModelSource:
+    by_key = {source.key: source for source in sources}
+    models = {key: (await swarm.lookup(key), load_config(source).num_hidden_layers) for key, source in by_key.items()}
+    chosen = by_key[choose_model(models)]
+    log.info("serving %s, which the swarm needs most of the %d models offered", chosen.name, len(by_key))
+    return chosen

@@ -25,6 +25,8 @@ from p2pfusion.net.framing import UNLIMITED, FrameLimits
 from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
 from p2pfusion.peer.batching import UNIT_SEPARATOR
 
+HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a stage casts them to its own
+
 
 @dataclass
 class StepInputs:
@@ -113,8 +115,8 @@ class Session:
         stage = self.stage
         if tensor is None:
             raise RequestError("step carries no hidden states")
-        if tensor.dtype != stage.dtype:
-            raise RequestError(f"hidden states must be {stage.dtype}, got {tensor.dtype}")
+        if tensor.dtype not in HIDDEN_DTYPES:
+            raise RequestError(f"hidden states must be float32, bfloat16 or float16, got {tensor.dtype}")
         if tensor.dim() != 3 or tensor.shape[0] < 1 or tensor.shape[1] < 1 or tensor.shape[2] != stage.hidden_size:
             raise RequestError(
                 f"hidden states must have shape [batch, tokens, {stage.hidden_size}], got {list(tensor.shape)}"
