@@ -10,7 +10,8 @@ attacks of scripts/privacy_attacks.py: nearest neighbour, probe, exact inversion
 weights. The user's cost of a sink applied at layer s: greedy-token agreement (chat prompts,
 batched transformers generate, a forward pre-hook on layer s applies the sink to each message)
 and the held-out perplexity with the sink.
-Usage: python scripts/bench_privacy.py [--quick] [--depths 8,15,29] [--budget N] [--json PATH] [--plot PATH]
+Usage: python scripts/bench_privacy.py [--quick] [--depths 8,15,29] [--budget N] [--exact-prompts N]
+       [--full-search] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -197,9 +198,10 @@ def agreement(got: torch.Tensor, reference: torch.Tensor) -> tuple[int, float]:
     return sum(f == 1.0 for f in firsts), statistics.mean(firsts)
 
 
-def run_attacks(model, embeddings, depth, sink, train, train_ids, prompts, observed, sizes, first) -> dict:
+def run_attacks(model, embeddings, depth, sink, train, train_ids, prompts, observed, sizes, first, full=False) -> dict:
     """Scores of the three attacks on `prompts` at `depth` through `sink` (the exact attack only
-    given `first`, the first-position table at `depth`)."""
+    given `first`, the first-position table at `depth`; with `full`, searching the whole
+    vocabulary where its budget finds no match)."""
     run_exact = first is not None
     generator = torch.Generator().manual_seed(depth * 101 + SINKS.index(sink))
     seen_train = through(train, sink, generator)
@@ -219,7 +221,7 @@ def run_attacks(model, embeddings, depth, sink, train, train_ids, prompts, obser
             scores[name].add(ids[start:end].tolist(), prompt.ids, prompt.items)
         if run_exact and exact_left[prompt.kind]:
             exact_left[prompt.kind] -= 1
-            inversion = attacks.exact_attack(model, hidden, depth, probe, tolerance, sizes.budget, first)
+            inversion = attacks.exact_attack(model, hidden, depth, probe, tolerance, sizes.budget, first, full)
             scores["exact"].add(inversion.ids, prompt.ids, prompt.items)
             tried += inversion.tried
             refined += inversion.refined
@@ -236,6 +238,7 @@ def run_attacks(model, embeddings, depth, sink, train, train_ids, prompts, obser
         result["exact"] = scores["exact"].rates()
         result["exact_candidates_per_position"] = statistics.mean(tried)
         result["exact_refined_share"] = refined / len(tried)
+        result["exact_full_search"] = full
     return result
 
 
@@ -313,11 +316,18 @@ def main() -> None:
     parser.add_argument("--plot", help="write a PNG of recovery vs depth and vs the user's cost")
     parser.add_argument("--budget", type=int, help="the exact attack's candidates per position")
     parser.add_argument("--depths", help="comma-separated split depths to measure (default: all of " + str(DEPTHS) + ")")
+    parser.add_argument("--exact-prompts", type=int, help="prompts of each kind the exact attack inverts")
+    parser.add_argument(
+        "--full-search", action="store_true",
+        help="the exact attack on raw states searches the whole vocabulary where its budget finds no match (slow on a CPU)",
+    )
     args = parser.parse_args()
     depths = DEPTHS if args.depths is None else tuple(int(d) for d in args.depths.split(","))
     sizes = QUICK if args.quick else FULL
     if args.budget:
         sizes = replace(sizes, budget=args.budget)
+    if args.exact_prompts is not None:
+        sizes = replace(sizes, exact_prompts=args.exact_prompts)
     torch.manual_seed(0)
 
     source = resolve_model(None)
@@ -352,7 +362,7 @@ def main() -> None:
         progress.set_postfix_str(f"s={s} {sink.label}")
         first = tables[s] if sink == attacks.RAW or s in sizes.exact_sink_depths else None
         records.append(run_attacks(model, embeddings, s, sink, train_states[s], train_ids, prompts, observed[s],
-                                   sizes, first))
+                                   sizes, first, args.full_search and sink == attacks.RAW))
         if sink == attacks.RAW:
             costs[(s, sink.label)] = {"identical": sizes.gen_prompts, "agreement": 1.0, "ppl": base_ppl, "ppl_ratio": 1.0}
         else:

@@ -33,6 +33,7 @@ BATCHES = (4, 32, 128)  # candidate batch sizes, then the last one repeated: mos
 REFINE_STEPS = 20
 REFINE_LR = 0.07  # Adam's step, in units of the embeddings' RMS
 GIVE_UP = 3  # positions in a row with no match before the exact attack stops searching
+FULL_BATCH = 512  # candidates per forward when the whole vocabulary is searched
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,8 @@ class Inversion:
 
 @torch.no_grad()
 def exact_attack(
-    model, observed: torch.Tensor, depth: int, probe: Probe, tolerance: float, budget: int, first: torch.Tensor
+    model, observed: torch.Tensor, depth: int, probe: Probe, tolerance: float, budget: int, first: torch.Tensor,
+    full: bool = False,
 ) -> Inversion:
     """Invert one prompt's observed states [tokens, hidden] at `depth`. The first token: the
     nearest row of `first` (`first_position_table` at `depth`). At each later position: the
@@ -243,7 +245,9 @@ def exact_attack(
     predicted embedding, then the tokens nearest the refined embedding, in batches, up to
     `budget` candidates in all. The nearest candidate wins, and joins the prefix. After GIVE_UP
     positions in a row without a candidate within `tolerance` the prefix is taken to be wrong
-    (every later state depends on it), and the probe's guesses stand for the rest."""
+    (every later state depends on it), and the probe's guesses stand for the rest. With `full`,
+    a position that the budget leaves without a match searches the rest of the vocabulary, which
+    only the attacker's compute limits."""
     embeddings = model.get_input_embeddings().weight.detach()
     result = Inversion([], [], 0, [])
     cache = DynamicCache(config=model.config)
@@ -274,6 +278,17 @@ def exact_attack(
             if float(distance[winner]) < best_distance:
                 best, best_distance = int(batch[winner]), float(distance[winner])
             tried += len(batch)
+        if full and t and best_distance > tolerance:
+            rest = torch.arange(len(embeddings))
+            rest = rest[~torch.isin(rest, order[:tried])]
+            for batch in rest.split(FULL_BATCH):
+                distance = (candidate_states(model, cache, batch, depth).float() - target).norm(dim=-1) / norm
+                winner = int(distance.argmin())
+                if float(distance[winner]) < best_distance:
+                    best, best_distance = int(batch[winner]), float(distance[winner])
+                tried += len(batch)
+                if best_distance <= tolerance:
+                    break
         result.ids.append(best)
         result.tried.append(tried)
         result.distance.append(best_distance)

@@ -1,5 +1,5 @@
 """Fine-tuning the default model (SmolLM2-135M-Instruct, fp32) through 3 real peers: gradients of
-every tuning mode match local autograd, and 30 steps of LoRA follow local training's loss curve."""
+every tuning mode match local autograd, and 16 steps of LoRA follow local training's loss curve."""
 
 import pytest
 import torch
@@ -22,7 +22,7 @@ FACTS = [
     "Plimt's oldest bridge was built from copper.",
     "Every spring, Zorvia holds a festival of kites.",
 ]
-STEPS = 30
+STEPS = 16
 BATCH = 4
 
 
@@ -63,8 +63,8 @@ def test_default_model_gradients_and_lora_training_follow_local(default_model):
             torch.manual_seed(0)
             model.set_adapter(Adapter(model.config, TuningConfig("lora", rank=8)))
             reference = LocalReference(default_model, model.adapter)
-            ours_opt = torch.optim.AdamW(model.adapter.parameters(), lr=2e-3)
-            theirs_opt = torch.optim.AdamW(reference.trainable(), lr=2e-3)
+            ours_opt = torch.optim.AdamW(model.adapter.parameters(), lr=4e-3)
+            theirs_opt = torch.optim.AdamW(reference.trainable(), lr=4e-3)
             curves = []
             for step in range(STEPS):
                 texts = [FACTS[(step * BATCH + i) % len(FACTS)] for i in range(BATCH)]

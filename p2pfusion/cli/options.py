@@ -147,7 +147,8 @@ LOCAL_LAYERS = dict(
     "token embeddings; costs client compute and memory",
 )
 
-# models/formats.py's WeightFormat, from most to least precise (named here: it would import torch)
+# models/formats.py's WeightFormat, from most to least precise, the two half-precision formats ranking
+# equal (named here: importing it would import torch)
 FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 DTYPES = FORMATS[:3]
 QUANTS = FORMATS[3:]
@@ -162,8 +163,8 @@ def precision_options(command: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--min-precision", choices=FORMATS, default="int4", metavar="FORMAT",
-        help=f"the least precise weight format a route may use, from most to least precise: {', '.join(FORMATS)} "
-        "(default: int4, any peer)",
+        help="the least precise weight format a route may use: float32, then bfloat16 and float16 (equal), then "
+        "int8, then int4 (default: int4, any peer)",
     )
 
 

@@ -39,7 +39,7 @@ def format_table(view: dict) -> str:
     lines = [f"model {view['model']} (key {view['key']}, {view['num_layers']} layers, {count} peer{'s' * (count != 1)})"]
     header = (
         f"  {'layers':>8}  {'state':<8} {'advertised':>10} {'observed':>9} {'load':>6} {'sessions':>8} "
-        f"{'cache MiB':>11}  {'role':<10} {'device':<28} peer"
+        f"{'cache MiB':>11}  {'role':<10} {'format':<8} {'device':<28} peer"
     )
     lines.append(header)
     for p in view["peers"]:
@@ -48,7 +48,7 @@ def format_table(view: dict) -> str:
         cache = f"{p['cache_used'] / MIB:.0f}/{p['cache_total'] / MIB:.0f}" if p["cache_total"] else "-"
         lines.append(
             f"  {p['layers'][0]:>3}:{p['layers'][1]:<4}  {p['state']:<8} {p['advertised_tokens_per_s']:>10.1f} "
-            f"{observed:>9} {p['load_tokens_per_s']:>6.1f} {p['sessions']:>8} {cache:>11}  {_role(p):<10} "
+            f"{observed:>9} {p['load_tokens_per_s']:>6.1f} {p['sessions']:>8} {cache:>11}  {_role(p):<10} {p['weights']:<8} "
             f"{p['device'][:28]:<28} {p['peer_id']}{moving}"
         )
     if view["gaps"]:

@@ -67,6 +67,7 @@ class ModelView:
         stage = [p for p in self.records if (p.start, p.end) == (r.start, r.end) and p.peer_id != r.peer_id]
         return {
             "peer_id": r.peer_id, "layers": [r.start, r.end], "state": r.state.value, "device": r.device,
+            "weights": r.weights,
             "advertised_tokens_per_s": round(r.throughput, 2),
             "observed_tokens_per_s": None if seen is None else round(span_throughput(seen, None, r.span), 2),
             "load_tokens_per_s": round(r.load, 2),

@@ -11,7 +11,6 @@ precision: what fits a peer is decided by the quantized size.
 
 from __future__ import annotations
 
-import logging
 import math
 from enum import Enum
 from pathlib import Path
@@ -23,9 +22,6 @@ from torch import nn
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.fingerprint import weight_files
 
-log = logging.getLogger(__name__)
-
-
 class WeightFormat(str, Enum):
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
@@ -34,7 +30,8 @@ class WeightFormat(str, Enum):
     INT4 = "int4"
 
 
-# How close a format comes to float32, for clients that set a floor: higher is closer.
+# How close a format comes to float32, for clients that set a floor: higher is closer (the two
+# half-precision formats trade range for mantissa, and rank equal).
 PRECISION = {
     WeightFormat.FLOAT32: 3, WeightFormat.BFLOAT16: 2, WeightFormat.FLOAT16: 2,
     WeightFormat.INT8: 1, WeightFormat.INT4: 0,

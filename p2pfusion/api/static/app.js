@@ -258,7 +258,7 @@ function peerRow(peer, neck) {
   return el("tr", { class: inNeck ? "neck" : "", "data-peer-id": peer.peer_id },
     el("td", {}, el("span", { class: `state ${peer.state}`, text: peer.state })),
     el("td", { class: "num", text: span(peer.layers) + moving }),
-    el("td", { text: peer.device }),
+    el("td", { text: `${peer.device}, ${peer.weights}` }),
     el("td", { class: "num", text: rate(peer.advertised_tokens_per_s) }),
     el("td", { class: "num", text: rate(peer.observed_tokens_per_s) }),
     el("td", { class: "num", text: rate(peer.load_tokens_per_s) }),
@@ -271,10 +271,10 @@ function peerRow(peer, neck) {
 function modelCard(model) {
   const gaps = model.gaps.length ? model.gaps.map(span).join(", ") : "none";
   const head = [
-    "state", "layers", "device", "advertised tok/s", "observed tok/s", "load tok/s", "sessions / queued", "KV cache",
+    "state", "layers", "device, weights", "advertised tok/s", "observed tok/s", "load tok/s", "sessions / queued", "KV cache",
     "backup role", "peer",
   ];
-  const numeric = new Set(head.slice(1, 8).filter((h) => h !== "device"));
+  const numeric = new Set(head.slice(1, 8).filter((h) => h !== "device, weights"));
   const table = el("table", {},
     el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { class: numeric.has(h) ? "num" : "", text: h })))),
     el("tbody", {}, ...model.peers.map((p) => peerRow(p, neckOf(model)))));
