@@ -6,6 +6,7 @@ import torch
 
 from p2pfusion.client.generation import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.routing import refused_only
 from p2pfusion.client.verify import FORMAT_TOLERANCE, relative_errors
 from p2pfusion.cli.options import FORMATS
 from p2pfusion.dht.records import PeerRecord
@@ -182,3 +183,12 @@ def test_a_bfloat16_gpu_peer_and_a_float32_gpu_peer_serve_one_route(tiny_models)
         for peer in peers:
             loop.run(stop_peer(peer))
         loop.close()
+
+
+def test_a_client_is_told_which_layers_only_refused_formats_serve():
+    records = [rec(0, 2, name="a"), rec(2, 4, name="q", weights="int4"), rec(3, 6, name="h", weights="bfloat16")]
+    accepted = [r for r in records if accepts(r.weights, WeightFormat.FLOAT32)]
+    assert refused_only(records, accepted, 8) == ([(2, 6)], ["bfloat16", "int4"])  # 6:8 nobody serves
+    accepted = [r for r in records if accepts(r.weights, WeightFormat.BFLOAT16)]
+    assert refused_only(records, accepted, 8) == ([(2, 3)], ["int4"])
+    assert refused_only(records, accepted, 8, first=3) == ([], ["int4"])  # the client runs 0:3 itself

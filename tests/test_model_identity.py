@@ -128,7 +128,7 @@ def test_a_copy_under_another_name_meets_in_one_swarm(folders, capsys):
     )
     (model,) = view["models"]
     assert (model["model"], model["key"], model["num_layers"]) == ("smol-a", served.key, 4)
-    assert [p["layers"] for p in model["peers"]] == [[0, 2], [2, 4]]
+    assert [(p["layers"], p["weights"]) for p in model["peers"]] == [([0, 2], "float32"), ([2, 4], "float32")]
     assert all(p["observed_tokens_per_s"] > 0 for p in model["peers"])
     # `p2pfusion swarm` says the same, in one line
     assert (code, out) == (2, "")

@@ -29,7 +29,7 @@ from p2pfusion.client.adapters import RemoteParameters
 from p2pfusion.client.catalog import model_records
 from p2pfusion.client.health import PeerHealth
 from p2pfusion.client.reach import SCREEN_CONCURRENCY, ReachBook
-from p2pfusion.client.routing import expected_throughput, find_route, format_ranges, missing_layers, usable
+from p2pfusion.client.routing import expected_throughput, find_route, format_ranges, refused_only, usable
 from p2pfusion.client.session import InferenceSession
 from p2pfusion.client.trust import FalseClaim
 from p2pfusion.client.trusted import TrustedGap, trusted_records
@@ -98,13 +98,10 @@ class SwarmAccess:
 
     def _say_refused(self, records: list[PeerRecord], accepted: list[PeerRecord], first: int) -> None:
         """Say which layers only peers in formats this client refuses serve (routes wait for others)."""
-        serving = [r for r in records if r.state == PeerState.ONLINE]
-        only = set(missing_layers([r for r in serving if r in accepted], self.num_layers, first))
-        only -= set(missing_layers(serving, self.num_layers, first))
-        if only:
-            formats = sorted({r.weights for r in serving if r not in accepted})
+        ranges, formats = refused_only(records, accepted, self.num_layers, first)
+        if ranges:
             self.notice("formats", (
-                f"layers {format_ranges(sorted(only))} of {self.name} are served only in {', '.join(formats)}, below "
+                f"layers {format_ranges(ranges)} of {self.name} are served only in {', '.join(formats)}, below "
                 f"the {self.minimum.value} this client accepts; waiting for other peers"
             ))
 

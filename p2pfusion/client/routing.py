@@ -20,24 +20,46 @@ def usable(
     return [r for r in records if r.state in states and r.peer_id not in banned and r.max_length >= length]
 
 
-def missing_layers(records: list[PeerRecord], num_layers: int, first: int = 0) -> list[tuple[int, int]]:
-    """Ranges [start, end) from layer `first` on that none of these peers serves."""
+def _covered(records: list[PeerRecord], num_layers: int, first: int) -> list[bool]:
     covered = [layer < first for layer in range(num_layers)]
     for r in records:
         for layer in range(r.start, min(r.end, num_layers)):
             covered[layer] = True
-    gaps, start = [], None
-    for layer, ok in enumerate(covered + [True]):
-        if not ok and start is None:
+    return covered
+
+
+def _ranges(flags: list[bool]) -> list[tuple[int, int]]:
+    """The runs of True in `flags`, as ranges [start, end)."""
+    runs, start = [], None
+    for layer, flag in enumerate(flags + [False]):
+        if flag and start is None:
             start = layer
-        elif ok and start is not None:
-            gaps.append((start, layer))
+        elif not flag and start is not None:
+            runs.append((start, layer))
             start = None
-    return gaps
+    return runs
+
+
+def missing_layers(records: list[PeerRecord], num_layers: int, first: int = 0) -> list[tuple[int, int]]:
+    """Ranges [start, end) from layer `first` on that none of these peers serves."""
+    return _ranges([not ok for ok in _covered(records, num_layers, first)])
 
 
 def format_ranges(ranges: list[tuple[int, int]]) -> str:
     return ", ".join(f"{a}:{b}" for a, b in ranges)
+
+
+def refused_only(
+    records: list[PeerRecord], accepted: list[PeerRecord], num_layers: int, first: int = 0
+) -> tuple[list[tuple[int, int]], list[str]]:
+    """The layers from `first` on that online peers serve only in formats the client refused
+    (`records` less `accepted`), as ranges, and those formats."""
+    online = [r for r in records if r.state == PeerState.ONLINE]
+    kept = {r.peer_id for r in accepted}
+    served = _covered(online, num_layers, first)
+    taken = _covered([r for r in online if r.peer_id in kept], num_layers, first)
+    ranges = _ranges([s and not t for s, t in zip(served, taken)])
+    return ranges, sorted({r.weights for r in online if r.peer_id not in kept})
 
 
 HOP_SECONDS = 0.003  # a hop's cost per token (a network round) where this client has not timed it
