@@ -11,7 +11,7 @@ weights. The user's cost of a sink applied at layer s: greedy-token agreement (c
 batched transformers generate, a forward pre-hook on layer s applies the sink to each message)
 and the held-out perplexity with the sink.
 Usage: python scripts/bench_privacy.py [--quick] [--depths 8,15,29] [--budget N] [--exact-prompts N]
-       [--full-search] [--json PATH] [--plot PATH]
+       [--full-search] [--raw-only] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -317,6 +317,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, help="the exact attack's candidates per position")
     parser.add_argument("--depths", help="comma-separated split depths to measure (default: all of " + str(DEPTHS) + ")")
     parser.add_argument("--exact-prompts", type=int, help="prompts of each kind the exact attack inverts")
+    parser.add_argument("--raw-only", action="store_true", help="raw hidden states only: no codecs, no noise")
     parser.add_argument(
         "--full-search", action="store_true",
         help="the exact attack on raw states searches the whole vocabulary where its budget finds no match (slow on a CPU)",
@@ -328,6 +329,8 @@ def main() -> None:
         sizes = replace(sizes, budget=args.budget)
     if args.exact_prompts is not None:
         sizes = replace(sizes, exact_prompts=args.exact_prompts)
+    if args.raw_only:
+        sizes = replace(sizes, sink_depths=(), exact_sink_depths=())
     torch.manual_seed(0)
 
     source = resolve_model(None)
