@@ -57,7 +57,7 @@ async def _scenario(source):
 
         bad = await model.open_session(8)
         for name, tensor in {
-            "dtype": torch.zeros(1, 1, 64, dtype=torch.float16),
+            "dtype": torch.zeros(1, 1, 64, dtype=torch.int64),
             "shape": torch.zeros(1, 1, 63),
             "rank": torch.zeros(64),
             "nan": torch.full((1, 1, 64), float("nan")),
@@ -90,7 +90,7 @@ def test_peer_survives_malformed_requests(tiny_models):
     assert "undecodable" in errors["garbage"] or "frame" in errors["garbage"]
     assert "too large" in errors["huge"]
     assert "unknown session" in errors["unknown_session"]
-    assert "must be torch.float32" in errors["dtype"]
+    assert "must be float32, bfloat16 or float16, got torch.int64" in errors["dtype"]
     assert "shape" in errors["shape"] and "shape" in errors["rank"]
     assert "NaN" in errors["nan"]
     assert "max_length" in errors["too_long"]
