@@ -11,7 +11,7 @@ weights. The user's cost of a sink applied at layer s: greedy-token agreement (c
 batched transformers generate, a forward pre-hook on layer s applies the sink to each message)
 and the held-out perplexity with the sink.
 Usage: python scripts/bench_privacy.py [--quick] [--depths 8,15,29] [--budget N] [--exact-prompts N]
-       [--full-search] [--raw-only] [--json PATH] [--plot PATH]
+       [--full-search] [--raw-only] [--merge FULL.json] [--json PATH] [--plot PATH]
 """
 
 from __future__ import annotations
@@ -248,14 +248,15 @@ def fmt(x: float | None) -> str:
 
 def print_tables(records: list[dict], costs: dict, sizes: Sizes) -> None:
     print("\n## Raw hidden states: share recovered, per split depth s (tokens / whole prompts / personal items)\n")
-    print("| s | nearest neighbour | probe | exact (weights) | exact candidates/position |")
-    print("|---|---|---|---|---|")
+    print("| s | nearest neighbour | probe | exact (weights) | exact candidates/position | exact, whole vocabulary "
+          "| its candidates/position |")
+    print("|---|---|---|---|---|---|---|")
     for r in records:
         if r["sink"] == "raw":
             row = [" / ".join(fmt(r[a][k]) for k in ("tokens", "prompts", "items")) if a in r else "—"
-                   for a in ("nn", "probe", "exact")]
-            cands = f"{r['exact_candidates_per_position']:.1f}" if "exact" in r else "—"
-            print(f"| {r['depth']} | {' | '.join(row)} | {cands} |")
+                   for a in ("nn", "probe", "exact", "exact_full")]
+            cands = [f"{r[k]:.1f}" if k in r else "—" for k in ("exact_candidates_per_position", "exact_full_candidates")]
+            print(f"| {r['depth']} | {' | '.join(row[:3])} | {cands[0]} | {row[3]} | {cands[1]} |")
     print("\n## Sinks: tokens recovered (personal items) and the user's cost, per split depth s\n")
     print(f"| s | sink | wire B/token | nearest neighbour | probe | exact (weights) | greedy prompts identical "
           f"(of {sizes.gen_prompts}) | tokens before 1st difference | perplexity ratio |")
@@ -277,9 +278,12 @@ def plot(records: list[dict], costs: dict, path: str) -> None:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     raw = [r for r in records if r["sink"] == "raw"]
-    for attack, label in (("nn", "nearest neighbour"), ("probe", "probe (ridge)"), ("exact", "exact (weights)")):
+    for attack, label, marker in (("nn", "nearest neighbour", "o"), ("probe", "probe (ridge)", "o"),
+                                  ("exact", "exact (weights), 256 candidates/position", "o"),
+                                  ("exact_full", "exact (weights), whole vocabulary", "*")):
         points = [(r["depth"], 100 * r[attack]["tokens"]) for r in raw if attack in r]
-        left.plot(*zip(*points), marker="o", label=label)
+        if points:
+            left.plot(*zip(*points), marker=marker, label=label)
     left.set(xlabel="split depth s (layers the client runs before the peer)", ylabel="prompt tokens recovered (%)",
              title="Raw hidden states", ylim=(-3, 103))
     left.legend()
@@ -309,6 +313,21 @@ def write_json(path: str, sizes: Sizes, base_ppl: float, records: list[dict], co
     }, indent=1))
 
 
+def merge(path: str, records: list[dict]) -> tuple[list[dict], dict, Sizes]:
+    """A full run's figures (`path`, written by --json) with this run's exact results on raw
+    states as their whole-vocabulary series; written back to `path`."""
+    full = json.loads(Path(path).read_text())
+    searched = {r["depth"]: r for r in records if r["sink"] == "raw" and r.get("exact_full_search")}
+    for r in full["attacks"]:
+        if r["sink"] == "raw" and r["depth"] in searched:
+            r["exact_full"] = searched[r["depth"]]["exact"]
+            r["exact_full_candidates"] = searched[r["depth"]]["exact_candidates_per_position"]
+    costs = {(c["depth"], c["sink"]): {k: v for k, v in c.items() if k not in ("depth", "sink")} for c in full["costs"]}
+    sizes = Sizes(**{k: tuple(v) if isinstance(v, list) else v for k, v in full["sizes"].items()})
+    write_json(path, sizes, full["base_perplexity"], full["attacks"], costs)
+    return full["attacks"], costs, sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes: a few minutes")
@@ -318,6 +337,11 @@ def main() -> None:
     parser.add_argument("--depths", help="comma-separated split depths to measure (default: all of " + str(DEPTHS) + ")")
     parser.add_argument("--exact-prompts", type=int, help="prompts of each kind the exact attack inverts")
     parser.add_argument("--raw-only", action="store_true", help="raw hidden states only: no codecs, no noise")
+    parser.add_argument(
+        "--merge", metavar="PATH",
+        help="a full run's --json file: this run's exact results on raw states join it as the whole-vocabulary "
+        "series (with --full-search), written back to it, and its tables and --plot include them",
+    )
     parser.add_argument(
         "--full-search", action="store_true",
         help="the exact attack on raw states searches the whole vocabulary where its budget finds no match (slow on a CPU)",
@@ -377,7 +401,10 @@ def main() -> None:
             write_json(args.json, sizes, base_ppl, records, costs)
         progress.update()
     progress.close()
-
+    if args.merge:
+        print(f"whole-vocabulary exact attack at depths {', '.join(map(str, depths))}: {sizes.exact_prompts} prompt(s) "
+              f"of each kind; merged into {args.merge}")
+        records, costs, sizes = merge(args.merge, records)
     print(f"default model, float32; probe trained on {sizes.train_windows} x {WINDOW} tokens; "
           f"{sizes.text_prompts} held-out text prompts of {PROMPT_TOKENS} tokens and {sizes.note_prompts} notes with "
           f"{sum(len(p.items) for p in prompts)} personal items; exact attack on {sizes.exact_prompts} of each, "
