@@ -75,6 +75,27 @@ def test_exact_attack_inverts_raw_states(setting, depth):
     assert score.rates()["tokens"] == 1.0 and score.rates()["prompts"] == 1.0
 
 
+def test_a_whole_vocabulary_search_finds_what_a_tiny_budget_misses(setting):
+    """Ranked by a probe fitted on states paired with the wrong tokens, and cut to 1 candidate per
+    position, the search misses; searching the rest of the vocabulary where it does gives every
+    token back."""
+    model, depth = setting.model, 2
+    train = torch.randint(0, 256, (8, 32), generator=torch.Generator().manual_seed(6))
+    states = attacks.states_at(model, train, depth).reshape(-1, setting.embeddings.shape[-1])
+    shuffled = train.reshape(-1)[torch.randperm(train.numel(), generator=torch.Generator().manual_seed(7))]
+    misled = attacks.Probe.fit(states, shuffled, setting.embeddings)
+    for full, want in ((False, lambda rate: rate < 1.0), (True, lambda rate: rate == 1.0)):
+        score, tried = attacks.Score(), []
+        for ids in PROMPTS:
+            observed = attacks.states_at(model, ids[None], depth)[0]
+            tolerance = attacks.sink_tolerance(observed, observed)
+            inversion = attacks.exact_attack(model, observed, depth, misled, tolerance, 1, setting.tables[depth], full=full)
+            score.add(inversion.ids, ids.tolist())
+            tried += inversion.tried
+        assert want(score.rates()["tokens"]), (full, score.rates())
+    assert min(tried) <= 1 < max(tried)
+
+
 def test_nearest_neighbour_inverts_embeddings(setting):
     embedded = attacks.states_at(setting.model, PROMPTS, 0).reshape(-1, 64)
     guesses = attacks.nearest_neighbour(embedded, setting.embeddings)
