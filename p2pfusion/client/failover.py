@@ -97,12 +97,12 @@ class SwarmAccess:
         return trusted_records(records, self.trusted, self.num_layers, self.name, down, first)
 
     def _say_refused(self, records: list[PeerRecord], accepted: list[PeerRecord], first: int) -> None:
-        """Say which layers only peers in formats this client refuses serve (routes wait for others)."""
+        """Say which layers only peers in formats this client refuses serve: routes treat them as unserved."""
         ranges, formats = refused_only(records, accepted, self.num_layers, first)
         if ranges:
             self.notice("formats", (
                 f"layers {format_ranges(ranges)} of {self.name} are served only in {', '.join(formats)}, below "
-                f"the {self.minimum.value} this client accepts; waiting for other peers"
+                f"the {self.minimum.value} this client accepts (--min-precision): routes leave those peers out"
             ))
 
     def session(
