@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoDistributedModelForCausalLM", "SwarmLM", "SwarmLMSync"]
+__all__ = ["AutoDistributedModelForCausalLM", "SwarmLM", "SwarmLMSync", "SwarmTrainer"]
 
 
 def __getattr__(name: str):
@@ -15,4 +15,8 @@ def __getattr__(name: str):
         from p2pfusion.client import swarm_lm
 
         return getattr(swarm_lm, name)
+    if name == "SwarmTrainer":
+        from p2pfusion.client.trainer import SwarmTrainer
+
+        return SwarmTrainer
     raise AttributeError(f"module 'p2pfusion' has no attribute {name!r}")

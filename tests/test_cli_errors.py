@@ -67,6 +67,9 @@ def cases(tiny: dict, tmp: Path, taken_port: int) -> dict[str, tuple[list[str], 
         ),
         "client compression": ([*infer, "--compression", "zstd", "hi"], ("choose from auto",)),
         "peer compression": (["run-peer", "--new-swarm", "--compression", "gzip"], ("unknown compression 'gzip'",)),
+        "training a quantized peer": (
+            ["run-peer", "--model", llama, "--new-swarm", "--train", "r", "--quant", "int8"], ("--train trains float32 weights",),
+        ),
         "unreachable initial peer": ([*infer, "hi"], ("no initial peer is reachable",)),
         "empty prompt": ([*infer, "   "], ("prompt is empty",)),
         "prompt too long": ([*infer, "word " * 9000], ("prompt too long: ", "the model accepts 8192")),
@@ -113,7 +116,8 @@ def outcomes(tiny_models, tmp_path_factory) -> dict[str, tuple[tuple[int, str], 
 
 CASE_NAMES = [
     "missing model path", "unreadable gguf", "unsupported architecture", "layers out of bounds", "empty layer range",
-    "bad initial peer", "data port in use", "client compression", "peer compression", "unreachable initial peer",
+    "bad initial peer", "data port in use", "client compression", "peer compression", "training a quantized peer",
+    "unreachable initial peer",
     "empty prompt", "prompt too long", "unavailable gpu", "missing adapter", "adapter of another model",
     "layers with two models", "too little memory",
 ]
@@ -155,6 +159,7 @@ def test_swarm_missing_layers_are_named(default_model):
     (["run-peer", "--max-memory", "0"], "argument --max-memory: expected a positive number of GiB, got '0'"),
     (["run-peer", "--max-memory", "lots"], "argument --max-memory: expected GiB as a number, e.g. 1.5; got 'lots'"),
     (["run-peer", "--quant", "int2"], "argument --quant: invalid choice: 'int2'"),
+    (["run-peer", "--train", "my run"], "argument --train: a run name is 1 to 64 letters"),
     (["infer", "--min-precision", "fp8"], "argument --min-precision: invalid choice: 'fp8'"),
     (["chat", "--exact", "--min-precision", "int8"], "argument --min-precision: not allowed with argument --exact"),
 ])

@@ -42,6 +42,8 @@ async def run_peer(args, device: str) -> None:
             f"(0:{config.num_hidden_layers})"
         )
     _check_device(device)
+    if args.train is not None and (args.dtype != "float32" or args.quant is not None or args.backup or len(models) > 1):
+        raise RequestError("--train trains float32 weights of one model: drop --dtype, --quant, --backup and extra --model")
     options = PeerOptions(
         source=source,
         initial_peers=[] if args.new_swarm else args.initial_peers,
@@ -69,6 +71,7 @@ async def run_peer(args, device: str) -> None:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         swarm_secret=secret,
+        train=args.train,
     )
 
     def ready(maddrs: list[str]) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from p2pfusion import __version__
 from p2pfusion.cli.options import (
+    run_name,
     COMPRESSION,
     DTYPES,
     INITIAL_PEERS,
@@ -115,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve at most this many layers when --layers is not given (default: as many as fit in memory)",
     )
     peer.add_argument("--backup", action="store_true", help="keep a stage warm and take over when its peer leaves")
+    peer.add_argument(
+        "--train", type=run_name, metavar="RUN",
+        help="be a replica of training run RUN: train this stage's weights (float32, AdamW) on the run's "
+        "micro-batches and average them with the stage's other replicas; serves no inference (docs/training.md)",
+    )
     peer.add_argument(
         "--throughput", type=throughput, default="auto", metavar="auto|eval|N",
         help="auto: reuse the cached benchmark; eval: measure again; N: one-token steps/s through one layer",

@@ -16,6 +16,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from p2pfusion.errors import RequestError
+from p2pfusion.net.train_messages import check_run_name
+
 
 class PeerState(str, Enum):
     JOINING = "joining"
@@ -43,6 +46,17 @@ def _format_name(raw: Any) -> str:
     if not isinstance(raw, str) or not 0 < len(raw) <= MAX_FORMAT_NAME or not raw.isalnum():
         raise ValueError(f"not a format name: {raw!r}")
     return raw
+
+
+def _run_name(raw: Any) -> str | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise ValueError(f"not a run name: {raw!r}")
+    try:
+        return check_run_name(raw)
+    except RequestError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def _count(raw: Any) -> int:
@@ -79,6 +93,9 @@ class PeerRecord:
     token_bytes: int = 0  # bytes of KV cache one token reserves through its layers (0: not announced)
     # the format its layers are held in (models/formats.py): clients choose which they accept
     weights: str = "float32"
+    # the training run whose replica it is (peer/replica.py): it serves that run's micro-batches
+    # only, so inference routing and balancing never count it; None: a serving peer
+    train_run: str | None = None
 
     @property
     def span(self) -> int:
@@ -124,6 +141,7 @@ class PeerRecord:
                 max_length=int(value.get("max_length", 2048)),
                 since=float(value.get("since", 0.0)),
                 weights=_format_name(value.get("weights", "float32")),
+                train_run=_run_name(value.get("train_run")),
                 **{name: _count(value.get(name, 0)) for name in LOAD_FIELDS},
             )
         except (KeyError, TypeError, ValueError, IndexError):

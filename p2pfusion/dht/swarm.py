@@ -137,14 +137,15 @@ class SwarmNode:
         pairs = [(writer, FaultReport.from_value(value)) for _, writer, value in await self._read(fault_key(model))]
         return [(writer, report) for writer, report in pairs if report is not None]
 
-    async def lookup(self, model: str) -> list[PeerRecord]:
-        """Every valid, unexpired record of the model's peers, in all states."""
+    async def lookup(self, model: str, run: str | None = None) -> list[PeerRecord]:
+        """Every valid, unexpired record of the model's peers, in all states: its serving peers, or
+        the replicas of training run `run`."""
         records = []
         for _, writer, value in await self._read(model_key(model)):
             record = PeerRecord.from_value(value)
             # a record whose signer is not the peer it names would let anyone announce layers in
             # another peer's name: the validator refuses it, and readers do not rely on that alone
-            if record is not None and record.model == model and writer == record.peer_id:
+            if record is not None and record.model == model and writer == record.peer_id and record.train_run == run:
                 records.append(record)
         self._remember(records)
         return records

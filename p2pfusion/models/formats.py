@@ -193,3 +193,14 @@ def load_settings(fmt: WeightFormat, compute: torch.dtype = torch.float32) -> tu
     if fmt in QUANTS:
         return compute, fmt
     return DTYPES[fmt.value], None
+
+
+def layer_shapes(folder: Path, start: int, end: int) -> dict[str, list[int]]:
+    """The shape of every tensor of layers [start, end), by its name in the files (headers only)."""
+    shapes = {}
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(LAYER_PREFIX) and start <= int(key[len(LAYER_PREFIX):].split(".", 1)[0]) < end:
+                    shapes[key] = list(f.get_slice(key).get_shape())
+    return shapes

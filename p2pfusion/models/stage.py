@@ -172,10 +172,17 @@ class Stage:
         return Graph(out, [inputs, *leaves], held)
 
     def backward(self, graph: Graph, grad_output: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The gradients of a forward's input and of the adapter's parameters, given its output's."""
-        grads = torch.autograd.grad(graph.output, graph.leaves, grad_output.to(self.device), allow_unused=True)
-        params = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(graph.leaves[1:], grads[1:])]
-        return grads[0].cpu(), [g.cpu() for g in params]
+        """The gradients of a forward's input and of the adapter's parameters, given its output's.
+        A training replica's weights (those that require grad) add theirs to their `.grad`."""
+        weights = [p for p in self.module.parameters() if p.requires_grad]
+        wanted = [*graph.leaves, *weights]
+        grads = torch.autograd.grad(graph.output, wanted, grad_output.to(self.device), allow_unused=True)
+        for weight, g in zip(weights, grads[len(graph.leaves):]):
+            if g is not None:
+                weight.grad = g if weight.grad is None else weight.grad.add_(g)
+        leaves = grads[:len(graph.leaves)]
+        params = [torch.zeros_like(leaf) if g is None else g for leaf, g in zip(graph.leaves[1:], leaves[1:])]
+        return leaves[0].cpu(), [g.cpu() for g in params]
 
     def parameter_bytes(self) -> int:
         """Bytes its weights take, as stored (a quantized weight's packed data and scales)."""

@@ -203,3 +203,34 @@ def choose_model(models: dict[str, tuple[list[PeerRecord], int]]) -> str:
         return gaps, utilization(records, num_layers), -peers
 
     return max(models, key=need)  # max keeps the first of equals
+
+
+def training_stage(records: list[PeerRecord], num_layers: int, max_layers: int) -> tuple[int, int] | None:
+    """Which stage of a training run a joining replica takes, from the run's records: the first
+    layers no replica holds (from there, as many as fit), else the stage with the fewest replicas.
+    Replicas of one stage average their weights, so a joiner copies an existing range exactly; None
+    when every stage is longer than `max_layers`."""
+    stages: dict[tuple[int, int], int] = {}
+    for r in records:
+        if r.state in (PeerState.ONLINE, PeerState.JOINING):
+            stages[(r.start, r.end)] = stages.get((r.start, r.end), 0) + 1
+    held = [False] * num_layers
+    for start, end in stages:
+        held[start:end] = [True] * (end - start)
+    if not all(held):
+        start = held.index(False)
+        end = start
+        while end < num_layers and not held[end] and end - start < max_layers:
+            end += 1
+        return start, end
+    fitting = [(count, start, end) for (start, end), count in stages.items() if end - start <= max_layers]
+    return min(fitting)[1:] if fitting else None
+
+
+def misfit(records: list[PeerRecord], start: int, end: int) -> tuple[int, int] | None:
+    """A stage of the run that [start, end) overlaps without matching it (its replicas could not
+    average with a replica of these layers, and no route could chain both), or None."""
+    for r in records:
+        if r.state in (PeerState.ONLINE, PeerState.JOINING) and r.start < end and start < r.end and (r.start, r.end) != (start, end):
+            return r.start, r.end
+    return None

@@ -26,7 +26,9 @@ from p2pfusion.net import probe
 from p2pfusion.net.compression import AUTO
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.secret import SwarmSecret
-from p2pfusion.peer.balance import Capacity, Placement, place_peer, reclaim, stage_most_at_risk, yields_to
+from p2pfusion.peer.balance import (
+    Capacity, Placement, misfit, place_peer, reclaim, stage_most_at_risk, training_stage, yields_to,
+)
 from p2pfusion.peer.admission import Budget
 from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name, free_memory
 from p2pfusion.peer.directory import HopDirectory
@@ -34,13 +36,15 @@ from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimi
 from p2pfusion.peer.memory import KV_RESERVE_TOKENS, default_budget, default_cache_memory, layers_that_fit, resident_bytes
 from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.server import StageServer
+from p2pfusion.peer.training import ReplicaService, join_run
 
 log = logging.getLogger(__name__)
 
 LINK_PROBES = 3  # peers whose links a joining peer measures
 SETTLE_DELAY = (0.5, 1.5)  # seconds before a joining peer re-checks its claim: a DHT write is seen by then
 SETTLE_ROUNDS = 3
-VERIFY_TTL = 10.0  # seconds our check of a peer that clients reported unreachable is trusted
+VERIFY_TTL = 10.0
+TRAINING_COPIES = 6  # float32 copies of its layers a training replica holds  # seconds our check of a peer that clients reported unreachable is trusted
 
 
 @dataclass
@@ -78,6 +82,7 @@ class PeerOptions:
     metrics_port: int | None = None  # Prometheus metrics over HTTP at /metrics (0: a free port); None: not served
     metrics_host: str = "127.0.0.1"
     swarm_secret: SwarmSecret | None = None  # a private swarm's (--swarm-secret)
+    train: str | None = None  # a training run's name (--train): this peer is a replica of one of its stages
 
 
 class Peer:
@@ -93,15 +98,16 @@ class Peer:
         self.started = time.monotonic()
         self.reload_seconds_per_layer = 1.0  # replaced by the measured time of this peer's own loads
         self.links = LinkBook(swarm.transport)
-        self.directory = HopDirectory(lambda: swarm.lookup(self.model))  # where next hops may be dialled
+        self.directory = HopDirectory(lambda: swarm.lookup(self.model, options.train))  # where next hops may be dialled
         self._checked: dict[str, tuple[float, bool]] = {}
         self.metrics = StageMetrics(self.model)
         self.exporter: Exporter | None = None
+        self.replica: ReplicaService | None = None
 
     async def live_records(self) -> tuple[list[PeerRecord], set[str]]:
         """The model's records, less the peers that clients reported unreachable and that fail our
         own check too (a report alone proves nothing: anyone may write one). Also returns those."""
-        records = await self.swarm.lookup(self.model)
+        records = await self.swarm.lookup(self.model, self.options.train)
         reports = await self.swarm.unreachable_reports(self.model)
         listed = {r.peer_id for r in records if r.state != PeerState.OFFLINE} - {self.swarm.peer_id}
         gone, now = set(), time.monotonic()
@@ -135,6 +141,8 @@ class Peer:
         if budget is None:
             budget = default_budget(free_memory(options.device), used)
         layer = max(layer_sizes(options.source.folder, self.num_layers, self.format, options.dtype))
+        if options.train is not None:  # weights, their gradients, AdamW's two moments, outer weights and momentum
+            layer *= TRAINING_COPIES
         kv = layers_token_bytes(self.config, 1, options.dtype)
         fit = min(layers_that_fit(budget, used, layer, kv, options.max_length), self.num_layers)
         if fit < 1:
@@ -160,6 +168,11 @@ class Peer:
     def _placement(self, records: list[PeerRecord]) -> Placement:
         if self.options.layers is not None:
             return Placement(*self.options.layers, backup=self.options.backup)
+        if self.options.train is not None:
+            stage = training_stage(records, self.num_layers, self.capacity.max_layers)
+            if stage is None:
+                raise ModelError(f"every stage of training run {self.options.train} is longer than the {self.capacity.max_layers} layers this peer holds")
+            return Placement(*stage)
         before = next((r for r in records if r.peer_id == self.swarm.peer_id), None)  # a restart
         if before is not None and reclaim(records, self.num_layers, self.capacity, self.swarm.peer_id, (before.start, before.end)):
             log.info("taking back layers %d:%d, which this peer served before its restart", before.start, before.end)
@@ -185,12 +198,18 @@ class Peer:
         max_layers = min(self.options.max_layers or self.num_layers, fit)
         self.capacity = Capacity(bench.decode_rate, network_rate, max_layers)
         placement = self._placement(records)
+        clash = None if self.options.train is None else misfit(records, placement.start, placement.end)
+        if clash is not None:
+            raise ModelError(
+                f"layers {placement.start}:{placement.end} overlap stage {clash[0]}:{clash[1]} of training run "
+                f"{self.options.train}: a replica serves a stage's exact range, or layers no replica holds"
+            )
         self.record = PeerRecord(
             model=self.model, peer_id=self.swarm.peer_id, maddrs=await self.swarm.maddrs(),
             start=placement.start, end=placement.end, state=PeerState.JOINING,
             compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
             batch_rate=bench.batch_rate, rtt=rtt, data_addrs=self.swarm.transport.data_addrs,
-            max_length=self.options.max_length, since=time.time(), weights=self.format.value,
+            max_length=self.options.max_length, since=time.time(), weights=self.format.value, train_run=self.options.train,
         )
         await self.announce()
         if self.options.layers is None:
@@ -202,6 +221,8 @@ class Peer:
             self.options.max_length, self.options.compression, bench.decode_threads, self.options.training_memory,
             metrics=self.metrics,
         )
+        if self.options.train is not None:
+            self.replica = await join_run(self.swarm, self.model, self.options.train, stage, self.server)
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"
@@ -294,6 +315,8 @@ class Peer:
         if self.server is not None:
             await self.server.drain(self.options.drain_timeout)
             await self.server.stop()
+        if self.replica is not None:
+            await self.replica.stop()
         if self.exporter is not None:
             await asyncio.to_thread(self.exporter.close)
             self.exporter = None

@@ -78,6 +78,8 @@ class StageServer:
         self.compute = StageCompute(decode_threads, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
         self._freed = 0  # bytes of sessions ended since the heap was last trimmed
         self.draining = False
+        self.training_run: str | None = None  # set on a training replica: it serves that run's micro-batches only
+        self.on_backward: Callable[[], None] = lambda: None  # a replica counts the micro-batches it ran
         self._streams: tuple[Stage, StreamLimits] | None = None
         self.metrics = metrics
         metrics.watch(self)
@@ -186,6 +188,8 @@ class StageServer:
             raise RequestError(f"open: batch must be in 1..{m.MAX_STEP_TOKENS}, got {msg.batch}")
         if msg.session_id in self.sessions:
             raise RequestError(f"open: session {msg.session_id} already exists")
+        if self.training_run is not None and msg.purpose != Purpose.TRAINING:
+            raise RequestError(f"open: this peer trains run {self.training_run!r} and serves its training sessions only")
         if self.draining:
             raise PeerFailed("open: this peer is leaving the swarm", self.peer_id)
 
@@ -353,6 +357,7 @@ class StageServer:
             await send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return
         session.backward_ran(seconds)
+        self.on_backward()
         if param_grads:  # before the input's gradient, so the client has them all when that comes
             entries = [(name, list(g.shape)) for name, g in zip(inputs.adapter.names, param_grads)]
             header = m.to_header(m.ParamGrads(message.step, entries))

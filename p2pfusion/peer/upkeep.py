@@ -176,8 +176,8 @@ class Upkeep:
 
     async def _maybe_move(self, min_gain: float) -> None:
         """Move if the cost model says so, now and again after a jittered pause."""
-        if self.peer.options.layers is not None:
-            return  # the user chose these layers
+        if self.peer.options.layers is not None or self.peer.options.train is not None:
+            return  # the user chose these layers, or this replica's weights are trained where they are
         for attempt in range(2):
             records, _ = await self._snapshot()
             move = plan_move(

@@ -1,0 +1,151 @@
+"""`SwarmTrainer`: the synchronous Python API of a training run's driver (docs/training.md)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.training_run import RunConfig, TrainingRun
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import RequestError
+from p2pfusion.models.fingerprint import weight_files
+from p2pfusion.models.formats import LAYER_PREFIX, layer_shapes
+from p2pfusion.models.source import resolve_model
+from p2pfusion.models.stage import load_config, load_head
+from p2pfusion.net.secret import load_secret
+
+log = logging.getLogger(__name__)
+
+
+class SwarmTrainer:
+    """Trains the weights of the replicas of run `run` (peers started with `run-peer --train RUN`).
+
+    ```python
+    trainer = SwarmTrainer.connect(None, initial_peers=[...], run="my-run", sync_every=20, lr=3e-4)
+    for batch in batches:
+        loss = trainer.step(batch["input_ids"], labels=batch["labels"])
+    trainer.save_pretrained("trained")   # a Hugging Face folder transformers loads
+    trainer.close()
+    ```
+    """
+
+    def __init__(self, loop: BackgroundLoop, run: TrainingRun):
+        self._loop = loop
+        self._run = run
+
+    @classmethod
+    def connect(cls, model: str | None = None, initial_peers=(), run: str = "run", *, swarm_secret=None, **settings) -> SwarmTrainer:
+        """Join the swarm and take up run `run` where its replicas are. `settings` are RunConfig's
+        (sync_every, lr, betas, eps, weight_decay, outer_lr, outer_momentum, averaging, ...)."""
+        if not initial_peers:
+            raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
+        try:
+            config = RunConfig(run, **settings)
+        except TypeError as exc:
+            raise RequestError(f"unknown training setting: {exc}") from None
+        config.check()
+        secret = load_secret(swarm_secret)
+        source = resolve_model(model)
+        layers = load_config(source).num_hidden_layers
+        head = load_head(source)
+        loop = BackgroundLoop()
+        try:
+            swarm = loop.run(join_swarm(list(initial_peers), client_mode=True, secret=secret))
+            driver = TrainingRun(swarm, source, head, layers, config)
+            loop.run(driver.start())
+        except BaseException:
+            loop.close()
+            raise
+        return cls(loop, driver)
+
+    @property
+    def step_count(self) -> int:
+        return self._run.step
+
+    @property
+    def round(self) -> int:
+        return self._run.round
+
+    @property
+    def redone(self) -> int:
+        """Steps run again because a replica failed during them."""
+        return self._run.redone
+
+    @property
+    def averaged_bytes(self) -> int:
+        """Bytes the averaging rounds of the replicas online now moved, as they report them."""
+        run = self._run
+        self._loop.run(run.report())
+        return run.averaged_bytes
+
+    def _checked(self, input_ids: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor | None):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+            raise RequestError("input_ids must be an integer tensor of shape [batch, tokens]")
+        vocab = self._run.head.get_input_embeddings().num_embeddings
+        if input_ids.numel() == 0 or int(input_ids.min()) < 0 or int(input_ids.max()) >= vocab:
+            raise RequestError(f"input_ids must be token ids in 0..{vocab - 1}")
+        labels = input_ids if labels is None else labels
+        if tuple(labels.shape) != tuple(input_ids.shape):
+            raise RequestError(f"labels must have the inputs' shape {list(input_ids.shape)}, got {list(labels.shape)}")
+        if mask is not None and tuple(mask.shape) != tuple(input_ids.shape):
+            raise RequestError(f"attention_mask must have the inputs' shape {list(input_ids.shape)}")
+        return input_ids.long(), labels.long(), mask
+
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+             lr: float | None = None) -> float:
+        """One inner step (labels default to the inputs; -100 marks tokens without loss); its mean loss."""
+        ids, labels, mask = self._checked(input_ids, labels, attention_mask)
+        return self._loop.run(self._run.train_step(ids, labels, mask, self._run.config.lr if lr is None else lr))
+
+    def outer_step(self) -> None:
+        """An outer step now (the run takes one every `sync_every` steps by itself)."""
+        self._loop.run(self._run.outer_step())
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None) -> float:
+        ids, labels, mask = self._checked(input_ids, labels, attention_mask)
+        return self._loop.run(self._run.evaluate(ids, labels, mask))
+
+    def save_pretrained(self, path: str | Path) -> Path:
+        """Write the model with the run's weights (those of its last outer step) as a Hugging Face
+        folder: `from_pretrained(path)` loads it, and `run-peer --model PATH --train RUN` trains on from it."""
+        source = self._run.source
+        path = Path(path)
+        weights = self._loop.run(self._run.stage_weights(lambda r: layer_shapes(source.folder, r.start, r.end)))
+        tensors = {}
+        for file in weight_files(source.folder):
+            with safe_open(str(file), framework="pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith(LAYER_PREFIX)})
+        tensors.update(weights)
+        path.mkdir(parents=True, exist_ok=True)
+        for item in source.folder.iterdir():  # config, tokenizer, generation config, notices
+            if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
+                shutil.copy2(item, path / item.name)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+        run = self._run
+        (path / "p2pfusion_training.json").write_text(json.dumps({
+            "base_model_key": source.key, "run": run.config.run, "outer_steps": run.round, "inner_steps": run.step,
+        }, indent=2) + "\n")
+        log.info("saved the weights of outer step %d of run %s to %s", run.round, run.config.run, path)
+        return path
+
+    def close(self) -> None:
+        async def leave():
+            await self._run.swarm.shutdown()
+
+        if not self._loop.loop.is_closed():
+            self._loop.run(leave())
+            self._loop.close()
+
+    def __enter__(self) -> SwarmTrainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

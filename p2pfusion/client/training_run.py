@@ -1,0 +1,314 @@
+"""Driving a training run of the swarm's own weights (docs/training.md).
+
+The driver holds the data, the tokenizer, the embeddings and the LM head (frozen). Each inner step
+splits its batch into micro-batches, one per chain of replicas (client/replicas.py), runs their
+forward and backward passes through the chains (training sessions of the inference protocol, with
+no compression), and then tells every replica it used to take its optimizer step. Every
+`sync_every` steps it starts the outer step, stage by stage, with the replicas that answer.
+
+Churn: a replica that fails during a step costs that step only: the driver tells the others to
+drop its gradients and runs the whole step again on the replicas left, so the gradients are those
+of an undisturbed step. A replica that fails during an outer step is left out and the round runs
+again with the others. While a stage has no replica at the driver's round (a joiner catches up by
+copying another replica's state), the driver waits for one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from p2pfusion.client.replicas import chains, served, split_rows, stages
+from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.training import split_batch
+from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.errors import P2PFusionError, PeerFailed, RequestError, RouteError
+from p2pfusion.models.source import ModelSource
+from p2pfusion.net import probe
+from p2pfusion.net import train_messages as t
+from p2pfusion.net.train_calls import call, fetch_state, status
+from p2pfusion.net.compression import Purpose
+
+log = logging.getLogger(__name__)
+
+PASS_TIMEOUT = 600.0  # one micro-batch's forward or backward through its chain
+OUTER_TIMEOUT = 900.0  # an outer step: pseudo-gradients, the all-reduce, the Nesterov step
+AVOID_SECONDS = 60.0  # a replica that failed is left out this long (or until it answers a status)
+ROUND_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run: str
+    sync_every: int = 20  # H: inner steps between outer steps
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    outer_lr: float = 0.7  # DiLoCo's Nesterov settings; 1.0 and 0.0 make the outer step a plain average
+    outer_momentum: float = 0.9
+    averaging: str = "none"  # or "float16": the pseudo-gradients' precision on the wire
+    averaging_timeout: float = 60.0  # a member silent this long is left out of a round
+    wait: float = 300.0  # how long a step waits for a stage that has no replica
+
+    def check(self) -> None:
+        t.check_run_name(self.run)
+        if self.sync_every < 1:
+            raise RequestError(f"sync_every must be at least 1, got {self.sync_every}")
+        if self.averaging not in ("none", "float16"):
+            raise RequestError(f"averaging must be 'none' or 'float16', got {self.averaging!r}")
+        if not 0 < self.outer_lr <= 10 or not 0 <= self.outer_momentum < 1 or self.lr < 0:
+            raise RequestError("outer_lr must be in (0, 10], outer_momentum in [0, 1), lr >= 0")
+
+
+class TrainingRun:
+    def __init__(self, swarm: SwarmNode, source: ModelSource, head: nn.Module, num_layers: int, config: RunConfig):
+        config.check()
+        self.swarm = swarm
+        self.source = source
+        self.head = head
+        self.num_layers = num_layers
+        self.config = config
+        self.step = 0  # inner steps the run has taken
+        self.round = 0  # outer steps
+        self.redone = 0  # steps run again after a replica failed
+        self.averaged_bytes = 0  # by the replicas that answered the last status, summed
+        self._avoid: dict[str, float] = {}  # peer id -> until when it is left out
+        # peer id -> the round it said it was at: replicas are asked once per round, and a step
+        # through one that has failed since is run again without it
+        self._ready: dict[str, int] = {}
+        self._waiting_since: float | None = None
+
+    async def start(self) -> None:
+        """Take up the run where its replicas are."""
+        answers = await self._statuses(await self._online())
+        if not answers:
+            raise RouteError(f"no replica of training run {self.config.run} of {self.source.name} answers")
+        self.round = max(a.round for a in answers.values())
+        self.step = max(a.step for a in answers.values() if a.round == self.round)
+
+    async def _online(self) -> list[PeerRecord]:
+        now = time.monotonic()
+        records = await self.swarm.lookup(self.source.key, self.config.run)
+        return [r for r in records if r.state == PeerState.ONLINE and self._avoid.get(r.peer_id, 0.0) <= now]
+
+    async def _statuses(self, records: list[PeerRecord]) -> dict[str, t.StateEnd]:
+        request = t.Status(self.config.run, self.round)
+        answers = await asyncio.gather(
+            *[status(self.swarm.transport, r.peer_id, r.data_addrs, request) for r in records], return_exceptions=True
+        )
+        out = {}
+        for record, answer in zip(records, answers):
+            if isinstance(answer, t.StateEnd) and (answer.start, answer.end) == (record.start, record.end):
+                out[record.peer_id] = answer
+            elif isinstance(answer, BaseException) and not isinstance(answer, P2PFusionError):
+                raise answer
+            else:
+                self._avoid[record.peer_id] = time.monotonic() + AVOID_SECONDS
+        self.averaged_bytes = sum(a.averaged_bytes for a in out.values())
+        return out
+
+    async def report(self) -> None:
+        """Ask every replica online where it is (its averaging traffic included)."""
+        await self._statuses(await self._online())
+
+    async def replicas(self) -> list[list[PeerRecord]]:
+        """The run's stages, of the replicas at the driver's round; waits while some layers have none."""
+        deadline = time.monotonic() + self.config.wait
+        while True:
+            records = await self._online()
+            unknown = [r for r in records if self._ready.get(r.peer_id) != self.round]
+            for peer_id, answer in (await self._statuses(unknown)).items():
+                self._ready[peer_id] = answer.round
+            current = [r for r in records if self._ready.get(r.peer_id) == self.round]
+            try:
+                tiled = stages(current, self.num_layers)
+                if self._waiting_since is not None:
+                    log.info("training run %s goes on after %.0f s", self.config.run, time.monotonic() - self._waiting_since)
+                    self._waiting_since = None
+                return tiled
+            except RouteError as exc:
+                if time.monotonic() > deadline:
+                    raise RouteError(f"training run {self.config.run}: {exc}, for {self.config.wait:.0f} s") from None
+                if self._waiting_since is None:
+                    self._waiting_since = time.monotonic()
+                    log.warning("training run %s: %s; waiting for a replica to join or catch up", self.config.run, exc)
+                await asyncio.sleep(1.0)
+
+    async def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, lr: float) -> float:
+        """One inner step on the batch; its mean loss over the labelled tokens."""
+        with torch.no_grad():
+            hidden = self.head.get_input_embeddings()(input_ids).float()
+        while True:
+            routes = chains(await self.replicas(), input_ids.shape[0])
+            parts = split_rows(input_ids.shape[0], len(routes))
+            jobs = [self._micro(route, hidden[a:b], labels[a:b], None if mask is None else mask[a:b]) for route, (a, b) in zip(routes, parts)]
+            try:
+                results = await _all(jobs)
+                break
+            except PeerFailed as exc:
+                await self._lost(exc, routes)
+        passes: dict[str, int] = {}
+        for route, (_, _, chunks) in zip(routes, results):
+            for record in route:
+                passes[record.peer_id] = passes.get(record.peer_id, 0) + chunks
+        await self._apply(routes, passes, lr)
+        self.step += 1
+        if self.step % self.config.sync_every == 0:
+            await self.outer_step()
+        tokens = sum(n for _, n, _ in results)
+        return sum(loss * n for loss, n, _ in results) / max(tokens, 1)
+
+    async def _micro(self, route: list[PeerRecord], hidden, labels, mask) -> tuple[float, int, int]:
+        """A micro-batch's forward and backward through one chain: its mean loss, labelled tokens, passes."""
+        batch, tokens = hidden.shape[:2]
+        positions = torch.arange(tokens).expand(batch, -1)
+        pieces = split_batch(hidden, mask, positions)
+        session = InferenceSession(self.swarm.transport, route, tokens, "none", None, Purpose.TRAINING, batch)
+        await session.open()
+        try:
+            steps = [await session.submit(c.hidden, c.mask, c.positions) for c in pieces]
+            out = torch.cat([await session.result(s, PASS_TIMEOUT) for s in steps]).requires_grad_(True)
+            with torch.enable_grad():
+                loss = self.head(inputs_embeds=out, labels=labels).loss
+                loss.backward()
+            if not torch.isfinite(out.grad).all():
+                raise RequestError(f"the loss is not finite at step {self.step}: the step is not taken")
+            for s, g in zip(steps, out.grad.split([c.hidden.shape[0] for c in pieces])):
+                await session.submit_backward(s, g.contiguous())
+            for s in steps:
+                await session.backward_result(s, PASS_TIMEOUT)
+        finally:
+            await session.close()
+        return loss.item(), int((labels[:, 1:] != -100).sum()), len(pieces)
+
+    async def _lost(self, exc: PeerFailed, routes: list[list[PeerRecord]]) -> None:
+        """Leave out the replicas that failed, drop the step's gradients on the others."""
+        peers = {r.peer_id: r for route in routes for r in route}
+        gone = {exc.peer_id} if exc.peer_id in peers else set()
+        if not gone:  # a silent chain: ask each of its replicas
+            alive = await asyncio.gather(*[probe.reachable(self.swarm.transport, p, r.data_addrs) for p, r in peers.items()])
+            gone = {p for p, ok in zip(peers, alive) if not ok}
+        for peer_id in gone:
+            self._avoid[peer_id] = time.monotonic() + AVOID_SECONDS
+            self._ready.pop(peer_id, None)
+        self.redone += 1
+        log.warning(
+            "training run %s: replica %s failed during step %d (%s); running the step again on the others",
+            self.config.run, ", ".join(sorted(gone)) or "?", self.step, exc,
+        )
+        drop = t.DiscardStep(self.config.run, self.step)
+        await asyncio.gather(
+            *[call(self.swarm.transport, p, r.data_addrs, drop) for p, r in peers.items() if p not in gone],
+            return_exceptions=True,
+        )
+
+    async def _apply(self, routes: list[list[PeerRecord]], passes: dict[str, int], lr: float) -> None:
+        config, counts = self.config, served(routes)
+        records = {r.peer_id: r for route in routes for r in route}
+        answers = await asyncio.gather(*[
+            call(self.swarm.transport, p, r.data_addrs, t.ApplyStep(
+                config.run, self.round, self.step, passes[p], counts[p], lr, *config.betas, config.eps, config.weight_decay,
+            ))
+            for p, r in records.items()
+        ], return_exceptions=True)
+        for peer_id, answer in zip(records, answers):
+            if isinstance(answer, P2PFusionError):  # it goes on with the others; it catches up at the next round
+                self._avoid[peer_id] = time.monotonic() + AVOID_SECONDS
+                self._ready.pop(peer_id, None)
+                log.warning("training run %s: replica %s did not take step %d: %s", config.run, peer_id, self.step, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+
+    async def outer_step(self) -> None:
+        """Average each stage's replicas and take the outer step; stages go at once."""
+        await asyncio.gather(*[self._average(stage) for stage in await self.replicas()])
+        self.round += 1
+
+    async def _average(self, members: list[PeerRecord]) -> None:
+        config = self.config
+        for attempt in range(ROUND_ATTEMPTS):
+            group = [r.peer_id for r in members]
+            request = t.OuterStep(
+                config.run, self.round, group, attempt, config.outer_lr, config.outer_momentum,
+                config.averaging_timeout, config.averaging,
+            )
+            answers = await asyncio.gather(
+                *[call(self.swarm.transport, r.peer_id, r.data_addrs, request, OUTER_TIMEOUT) for r in members],
+                return_exceptions=True,
+            )
+            failed = [(r, a) for r, a in zip(members, answers) if isinstance(a, BaseException)]
+            for record, answer in zip(members, answers):
+                if not isinstance(answer, BaseException):
+                    self._ready[record.peer_id] = self.round + 1
+            if not failed:
+                return
+            for _, answer in failed:
+                if not isinstance(answer, P2PFusionError):
+                    raise answer
+            where = await self._statuses([r for r, _ in failed])
+            members = [r for r, _ in failed if r.peer_id in where and where[r.peer_id].round == self.round]
+            log.warning(
+                "training run %s: outer step %d of layers %d:%d failed (%s); again with %d replicas",
+                config.run, self.round, members[0].start if members else -1, members[0].end if members else -1,
+                failed[0][1], len(members),
+            )
+            if not members:
+                return
+        raise RouteError(f"training run {config.run}: outer step {self.round} failed {ROUND_ATTEMPTS} times")
+
+    async def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> float:
+        """The mean loss through one chain (after an outer step, every replica holds the same weights)."""
+        route = chains(await self.replicas(), 1)[0]
+        with torch.no_grad():
+            hidden = self.head.get_input_embeddings()(input_ids).float()
+        batch, tokens = hidden.shape[:2]
+        pieces = split_batch(hidden, mask, torch.arange(tokens).expand(batch, -1))
+        session = InferenceSession(self.swarm.transport, route, tokens, "none", None, Purpose.TRAINING, batch)
+        await session.open()
+        try:
+            outs = []
+            for piece in pieces:  # one at a time: each is dropped from the peers' memory at the session's end
+                outs.append(await session.result(await session.submit(piece.hidden, piece.mask, piece.positions), PASS_TIMEOUT))
+        finally:
+            await session.close()
+        with torch.no_grad():
+            return float(self.head(inputs_embeds=torch.cat(outs), labels=labels).loss)
+
+    async def stage_weights(self, shapes_of) -> dict[str, torch.Tensor]:
+        """Every layer's outer weights (those of the last outer step), from one replica per stage."""
+        weights = {}
+        for stage in await self.replicas():
+            for record in stage:
+                request = t.FetchState(self.config.run, self.source.key, record.start, record.end, weights_only=True)
+                try:
+                    parts, _ = await fetch_state(self.swarm.transport, record.peer_id, record.data_addrs, request, shapes_of(record))
+                except PeerFailed as exc:
+                    log.warning("replica %s could not send its weights (%s); asking another", record.peer_id, exc)
+                    continue
+                weights.update(parts["outer"])
+                break
+            else:
+                raise RouteError(f"no replica of layers {stage[0].start}:{stage[0].end} sent its weights")
+        return weights
+
+
+async def _all(coros) -> list:
+    """Every result, or the first error with the others cancelled (their sessions close)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

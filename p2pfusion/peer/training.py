@@ -1,0 +1,204 @@
+"""A training replica's side of the training-run protocol (net/train_messages.py): the driver's
+steps, the outer steps with the stage's other replicas, and its state for replicas that join.
+
+Optimizer work runs on the stage's compute thread, between micro-batches, never beside them.
+A request that cannot be honoured is one `Error` line, and changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+
+from p2pfusion.dht.records import PeerState
+from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.errors import ModelError, PeerFailed, RequestError
+from p2pfusion.models.stage import Stage
+from p2pfusion.net import messages as m
+from p2pfusion.net import train_messages as t
+from p2pfusion.net.averaging import GroupAverager
+from p2pfusion.net.clients import Source
+from p2pfusion.net.codecs import pack
+from p2pfusion.net.framing import FrameError, FrameLimits, read_frame
+from p2pfusion.net.train_calls import fetch_state, status
+from p2pfusion.net.transport import Transport
+from p2pfusion.peer.replica import InnerHyper, OuterHyper, Replica
+from p2pfusion.peer.scheduler import Scheduler
+from p2pfusion.peer.server import StageServer
+from p2pfusion.peer.streams import send_quietly, write
+
+log = logging.getLogger(__name__)
+
+REQUEST_LIMITS = FrameLimits(header=64 << 10, tensor_kinds=frozenset())
+OPTIMIZER = "training-driver"  # the scheduler's source for optimizer work
+
+
+def group_id(model: str, run: str, start: int, end: int, round_: int, attempt: int, group: list[str]) -> bytes:
+    text = f"{model}|{run}|{start}:{end}|{round_}|{attempt}|{','.join(sorted(group))}"
+    return hashlib.sha256(text.encode()).digest()[:16]
+
+
+class ReplicaService:
+    def __init__(self, replica: Replica, model: str, transport: Transport, scheduler: Scheduler):
+        self.replica = replica
+        self.model = model
+        self.transport = transport
+        self.scheduler = scheduler
+        self.averager = GroupAverager(transport.p2p, f"p2pfusion.average.{model}.{replica.run}")
+        self.outer_seconds = 0.0
+        self.swarm: SwarmNode | None = None  # where it finds the stage's other replicas
+        self._catching_up: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.averager.start()
+        await self.transport.add_handler(t.PROTOCOL, self._handle)
+
+    async def stop(self) -> None:
+        await self.transport.remove_handler(t.PROTOCOL)
+        await self.averager.stop()
+        if self._catching_up is not None:
+            self._catching_up.cancel()
+
+    async def catch_up(self, wanted: int = 0) -> bool:
+        """Copy the state of the stage's most advanced other replica, if it is ahead of this one (or
+        at `wanted` or later); False when no other replica answers."""
+        stage, run = self.replica.stage, self.replica.run
+        records = [
+            r for r in await self.swarm.lookup(self.model, run)
+            if r.state == PeerState.ONLINE and (r.start, r.end) == (stage.start, stage.end) and r.peer_id != self.transport.peer_id
+        ]
+        answers = []
+        for record in records:
+            try:
+                answers.append((await status(self.transport, record.peer_id, record.data_addrs, t.Status(run)), record))
+            except (PeerFailed, RequestError) as exc:
+                log.info("replica %s of layers %d:%d did not answer: %s", record.peer_id, stage.start, stage.end, exc)
+        answers.sort(key=lambda a: (a[0].round, a[0].step), reverse=True)
+        request = t.FetchState(run, self.model, stage.start, stage.end)
+        for where, record in answers:
+            if where.round < max(wanted, self.replica.round):
+                break
+            try:
+                parts, end = await fetch_state(self.transport, record.peer_id, record.data_addrs, request, self.replica.shapes())
+                if any(set(part) != set(self.replica.names) for part in parts.values()):
+                    raise RequestError(f"replica {record.peer_id} holds other weights than these layers")
+            except (PeerFailed, RequestError) as exc:
+                log.warning("could not copy the state of replica %s: %s", record.peer_id, exc)
+                continue
+            state = {kind: [part[name] for name in self.replica.names] for kind, part in parts.items()}
+            await self._compute(self.replica.load, state, end.step, end.round, end.adam_steps)
+            log.info(
+                "copied layers %d:%d of run %s from replica %s: outer step %d, inner step %d",
+                stage.start, stage.end, run, record.peer_id, end.round, end.step,
+            )
+            return True
+        return not records
+
+    async def _compute(self, fn, *args):
+        return await self.scheduler.run(OPTIMIZER, 1 << 20, fn, *args)
+
+    async def _handle(self, reader, writer, source: Source) -> None:
+        try:
+            async with asyncio.timeout(10.0):
+                header, _ = await read_frame(reader, REQUEST_LIMITS)
+            request = t.from_header(header)
+            if getattr(request, "run", None) != self.replica.run:
+                raise RequestError(f"this peer trains run {self.replica.run!r}, not {getattr(request, 'run', None)!r}")
+            if isinstance(request, t.FetchState):
+                await self._send_state(request, writer)
+                return
+            await self._answer(request, writer)
+        except (RequestError, FrameError) as exc:
+            log.warning("refused a training request from %s: %s", source, exc)
+            await send_quietly(writer, m.Error(message=str(exc)))
+        except (EOFError, TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def _answer(self, request, writer) -> None:
+        replica = self.replica
+        if isinstance(request, t.ApplyStep):
+            hyper = InnerHyper(request.lr, (request.beta1, request.beta2), request.eps, request.weight_decay)
+            await self._compute(replica.apply, request.round, request.step, request.passes, request.chains, hyper)
+        elif isinstance(request, t.DiscardStep):
+            if request.step == replica.step:
+                await self._compute(replica.discard)
+        elif isinstance(request, t.OuterStep):
+            await self._outer_step(request)
+        elif isinstance(request, t.Status):
+            if request.round > replica.round and (self._catching_up is None or self._catching_up.done()):
+                self._catching_up = asyncio.create_task(self.catch_up(request.round))
+        else:
+            raise RequestError(f"unexpected {request.kind!r} request")
+        reply = m.Ack() if not isinstance(request, t.Status) else self._where()
+        await write(writer, t.to_header(reply) if isinstance(reply, t.StateEnd) else m.to_header(reply))
+
+    def _where(self) -> t.StateEnd:
+        r = self.replica
+        return t.StateEnd(
+            r.run, r.stage.start, r.stage.end, r.step, r.round, r.micro, r.adam_steps, len(r.names), self.averager.wire_bytes,
+        )
+
+    async def _outer_step(self, request: t.OuterStep) -> None:
+        replica = self.replica
+        if request.round != replica.round:
+            raise RequestError(f"outer step {request.round} asked, but this replica has taken {replica.round}")
+        if replica.micro:
+            raise RequestError(f"outer step {request.round}: {replica.micro} micro-batches still await their inner step")
+        hyper = OuterHyper(request.lr, request.momentum)
+        hyper.check()
+        if request.compression not in ("none", "float16") or not 0 < request.timeout <= 600:
+            raise RequestError("outer step: compression must be none or float16, timeout in (0, 600] s")
+        started = time.perf_counter()
+        delta = await self._compute(replica.pseudo_gradient)
+        stage = replica.stage
+        gid = group_id(self.model, replica.run, stage.start, stage.end, request.round, request.attempt, request.group)
+        averaged = await self.averager.average(gid, delta, request.group, request.timeout, request.compression)
+        del delta
+        await self._compute(replica.outer_step, averaged, hyper)
+        self.outer_seconds = time.perf_counter() - started
+        log.info(
+            "outer step %d of run %s with %d replicas of layers %d:%d (%.1f s)",
+            request.round, replica.run, len(set(request.group)), stage.start, stage.end, self.outer_seconds,
+        )
+
+    async def _send_state(self, request: t.FetchState, writer) -> None:
+        replica, stage = self.replica, self.replica.stage
+        if (request.model, request.start, request.end) != (self.model, stage.start, stage.end):
+            raise RequestError(
+                f"this replica holds layers {stage.start}:{stage.end} of {self.model}, "
+                f"not {request.start}:{request.end} of {request.model}"
+            )
+        kinds = ("outer",) if request.weights_only else t.STATE_KINDS
+        snapshot, where = await self._compute(self._snapshot, kinds)
+        for kind, tensors in snapshot.items():
+            for name, tensor in zip(replica.names, tensors):
+                await write(writer, t.to_header(t.StatePart(kind, name)), pack(tensor))
+        await write(writer, t.to_header(where))
+
+    def _snapshot(self, kinds: tuple[str, ...]):
+        state = self.replica.state()
+        return {kind: [x.detach().to("cpu", copy=True) for x in state[kind]] for kind in kinds}, self._where()
+
+
+async def join_run(swarm: SwarmNode, model: str, run: str, stage: Stage, server: StageServer) -> ReplicaService:
+    """Make `stage` a replica of `run`, with the current state of the stage's other replicas when
+    there are any (never the model's own weights then: those would be stale), and serve the run's
+    protocol. A ModelError when replicas exist but none could share its state."""
+    replica = Replica(stage, run)
+    service = ReplicaService(replica, model, swarm.transport, server.compute.scheduler)
+    service.swarm = swarm
+    if not await service.catch_up():
+        raise ModelError(
+            f"layers {stage.start}:{stage.end} of training run {run} have replicas, but none shared its state; "
+            "not serving stale weights"
+        )
+    if replica.step == 0 and replica.round == 0:
+        log.info("replica of layers %d:%d of run %s, from the model's weights", stage.start, stage.end, run)
+    server.training_run = run
+    server.on_backward = replica.ran_backward
+    await service.start()
+    return service

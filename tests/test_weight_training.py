@@ -1,0 +1,241 @@
+"""Training the swarm's own weights: replicas of each stage step on their micro-batches and average
+(DiLoCo), checked against local transformers training and hand-computed outer steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+from transformers import AutoModelForCausalLM
+
+from p2pfusion.cli.local_swarm import LocalSwarm
+from p2pfusion.client.replicas import chains, served, split_rows, stages
+from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.trainer import SwarmTrainer
+from p2pfusion.dht.records import PeerState
+from p2pfusion.errors import PeerRefused, RequestError, RouteError
+from p2pfusion.models.formats import layer_shapes
+from p2pfusion.models.source import resolve_model
+from p2pfusion.net import train_messages as t
+from p2pfusion.net.averaging import AveragingFailed, GroupAverager
+from p2pfusion.net.compression import Purpose
+from p2pfusion.net.train_calls import call, fetch_state
+from p2pfusion.peer.balance import misfit, training_stage
+from p2pfusion.peer.replica import OuterHyper
+from policy_records import rec
+from swarm import peers_in_background
+
+LR = 1e-2
+BATCHES = [torch.randint(0, 256, (4, 12), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+
+
+def _reference(source):
+    """Local transformers training of the same layers: embeddings, final norm and head frozen, as the driver holds them."""
+    model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).train()
+    for name, param in model.named_parameters():
+        param.requires_grad_(".layers." in name)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    return model, optimizer
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_one_replica_per_stage_with_h1_equals_local_training(tiny_models, family, tmp_path):
+    source = tiny_models[family]
+    model, optimizer = _reference(source)
+    with peers_in_background(source, [(0, 1), (1, 3), (3, 4)], train="exact") as (peers, maddrs, loop):
+        assert loop.run(peers[0].swarm.lookup(source.key)) == []  # inference never sees a training replica
+        with SwarmTrainer.connect(str(source.folder), maddrs, run="exact", sync_every=1, lr=LR, outer_lr=1.0, outer_momentum=0.0) as trainer:
+            for ids in BATCHES:
+                loss = trainer.step(ids)
+                expected = model(input_ids=ids, labels=ids).loss
+                expected.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                assert abs(loss - expected.item()) <= 1e-5 * expected.item()
+            assert (trainer.step_count, trainer.round) == (3, 3)
+            saved = trainer.save_pretrained(tmp_path / "trained")
+    trained = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).state_dict()
+    # relative over all the weights at once: a key projection's bias has a gradient of zero in
+    # exact arithmetic (softmax ignores a shift shared by all keys), so Adam turns rounding noise
+    # of either side into steps of full size there, whatever the order of the sums
+    expected = model.state_dict()
+    error = sum(float((trained[n] - v).pow(2).sum()) for n, v in expected.items()) ** 0.5
+    assert error <= 1e-5 * sum(float(v.pow(2).sum()) for v in expected.values()) ** 0.5
+    assert set(trained) == set(expected)
+    assert _relative(trained["model.layers.0.mlp.up_proj.weight"], _reference(source)[0].state_dict()["model.layers.0.mlp.up_proj.weight"]) > 1e-4
+
+
+def test_an_outer_step_with_two_replicas_is_the_hand_computed_average(tiny_models, tmp_path):
+    source = tiny_models["llama"]
+    with peers_in_background(source, [(0, 2), (0, 2), (2, 4)], train="avg") as (peers, maddrs, loop):
+        replicas = [p.replica.replica for p in peers[:2]]
+        start = [w.detach().clone() for w in replicas[0].weights]
+        with SwarmTrainer.connect(str(source.folder), maddrs, run="avg", sync_every=100, lr=LR, outer_lr=0.7, outer_momentum=0.9) as trainer:
+            for ids in BATCHES[:2]:
+                trainer.step(ids)
+            inner = [[w.detach().clone() for w in r.weights] for r in replicas]
+            assert any(_relative(a, b) > 1e-6 for a, b in zip(*inner))  # each trained on its own micro-batches
+            trainer.outer_step()
+            for s, a, b, w0, w1 in zip(start, *inner, replicas[0].weights, replicas[1].weights):
+                delta = s - (a + b) / 2
+                expected = s - 0.7 * (delta + 0.9 * delta)  # Nesterov from zero momentum
+                assert torch.allclose(w0.detach(), expected, rtol=0, atol=1e-6)
+                # each adds the average's difference from its own values (hivemind's all-reduce sends
+                # deltas), so the replicas agree to float32 rounding
+                assert torch.allclose(w0.detach(), w1.detach(), rtol=0, atol=1e-7)
+            assert trainer.averaged_bytes > 0
+            assert trainer.evaluate(BATCHES[2]) > 0
+            # training resumes from the saved folder: a new run's replica serves it
+            saved = trainer.save_pretrained(tmp_path / "trained")
+    resumed = resolve_model(str(saved))
+    with peers_in_background(resumed, [(0, 4)], train="again") as (_, maddrs, _):
+        with SwarmTrainer.connect(str(saved), maddrs, run="again", sync_every=1, lr=LR) as trainer:
+            assert trainer.step(BATCHES[0]) > 0
+
+
+def test_a_replica_killed_mid_window_is_left_out_and_a_joiner_gets_the_current_weights(tiny_models):
+    source = tiny_models["llama"]
+    fixed = ["--throughput", "100", "--train", "churn"]
+    with LocalSwarm(model=str(source.folder)) as swarm:
+        first = swarm.launch((0, 2), fixed)
+        swarm.wait_ready(first)
+        doomed, last = swarm.launch((0, 2), fixed), swarm.launch((2, 4), fixed)
+        for proc in (doomed, last):
+            swarm.wait_ready(proc)
+        with SwarmTrainer.connect(str(source.folder), swarm.maddrs, run="churn", sync_every=3, lr=LR) as trainer:
+            trainer.step(BATCHES[0])
+            doomed.kill()
+            doomed.wait()
+            for ids in BATCHES[1:]:
+                assert trainer.step(ids) > 0  # the step that met the dead replica ran again on the others
+            assert trainer.redone >= 1 and trainer.round == 1
+            joiner = swarm.launch((0, 2), fixed)
+            swarm.wait_ready(joiner)
+            trainer.step(BATCHES[0])
+            run = trainer._run
+            tiled = trainer._loop.run(run.replicas())
+            assert len(tiled[0]) == 2  # the joiner serves the run, at its round
+            shapes = layer_shapes(source.folder, 0, 2)
+            weights = []
+            for record in tiled[0]:
+                request = t.FetchState("churn", source.key, 0, 2, weights_only=True)
+                parts, end = trainer._loop.run(fetch_state(run.swarm.transport, record.peer_id, record.data_addrs, request, shapes))
+                assert end.round == 1
+                weights.append(parts["outer"])
+            for name in weights[0]:
+                assert torch.equal(weights[0][name], weights[1][name])
+
+
+def test_bad_requests_are_refused_and_leave_the_weights_untouched(tiny_models):
+    source = tiny_models["llama"]
+    with peers_in_background(source, [(0, 4)], train="guard") as (peers, maddrs, loop):
+        replica = peers[0].replica.replica
+        before = [w.detach().clone() for w in replica.weights]
+        transport = peers[0].swarm.transport
+        me, addrs = peers[0].swarm.peer_id, peers[0].record.data_addrs
+
+        async def go():
+            record = (await peers[0].swarm.lookup(source.key, "guard"))[0]
+            assert record.train_run == "guard" and record.state == PeerState.ONLINE
+            # inference on a training replica: one clear line
+            session = InferenceSession(transport, [record], 16)
+            with pytest.raises(PeerRefused, match="trains run 'guard'"):
+                await session.open()
+            # a NaN gradient is refused, and counts for nothing
+            session = InferenceSession(transport, [record], 8, "none", None, Purpose.TRAINING, 1)
+            await session.open()
+            try:
+                step = await session.submit(torch.randn(1, 8, 64))
+                await session.result(step)
+                with pytest.raises(PeerRefused, match="NaN"):
+                    await session.backward(torch.full((1, 8, 64), float("nan")), step)
+            finally:
+                await session.close()
+            assert replica.micro == 0
+            with pytest.raises(PeerRefused, match="backward passes"):
+                await call(transport, me, addrs, t.ApplyStep("guard", 0, 0, 1, 1, LR))
+            with pytest.raises(PeerRefused, match="trains run 'guard'"):
+                await call(transport, me, addrs, t.Status("other"))
+            # a joiner of another stage shape, or of other weights, gets nothing
+            for request in (t.FetchState("guard", source.key, 0, 2), t.FetchState("guard", "llama-4x64-0000000000000000", 0, 4)):
+                with pytest.raises(RequestError, match="refused to share its state"):
+                    await fetch_state(transport, me, addrs, request, {})
+
+        loop.run(go())
+        assert all(torch.equal(a, b.detach()) for a, b in zip(before, replica.weights))
+    with pytest.raises(RequestError, match="run name"):
+        t.from_header({"kind": "status", "run": "bad name!"})
+    with pytest.raises(RequestError, match="sync_every"):
+        SwarmTrainer.connect(str(source.folder), ["/ip4/127.0.0.1/tcp/1/p2p/x"], run="r", sync_every=0)
+
+
+def test_micro_batches_spread_over_replicas_and_stages_must_tile():
+    a, b = rec(0, 2, name="a"), rec(0, 2, name="b")
+    c = rec(2, 4, name="c")
+    tiled = stages([c, b, a], 4)
+    assert [[r.peer_id for r in s] for s in tiled] == [["a", "b"], ["c"]]
+    routes = chains(tiled, rows=8)
+    assert [[r.peer_id for r in route] for route in routes] == [["a", "c"], ["b", "c"]]
+    assert served(routes) == {"a": 1, "b": 1, "c": 2}
+    assert chains(tiled, rows=1) == [[a, c]]
+    assert split_rows(5, 2) == [(0, 2), (2, 5)]
+    with pytest.raises(RouteError, match="layers 2:4"):
+        stages([a, b], 4)
+    with pytest.raises(RouteError, match="overlap"):
+        stages([a, rec(1, 4, name="d")], 4)
+
+
+def test_a_joining_replica_fills_a_gap_then_the_thinnest_stage():
+    assert training_stage([], 30, 10) == (0, 10)
+    run = [rec(0, 10, name="a"), rec(10, 20, name="b")]
+    assert training_stage(run, 30, 10) == (20, 30)
+    assert training_stage(run, 30, 4) == (20, 24)
+    full = [*run, rec(20, 30, name="c"), rec(0, 10, name="d")]
+    assert training_stage(full, 30, 10) == (10, 20)
+    assert training_stage(full, 30, 5) is None
+    assert training_stage([rec(0, 10, state=PeerState.OFFLINE)], 30, 10) == (0, 10)
+    # a replica's range must match a stage exactly, or hold layers no replica holds
+    assert misfit(full, 10, 20) is None and misfit(run, 20, 30) is None
+    assert misfit(full, 5, 15) == (0, 10)
+
+    with pytest.raises(RequestError, match="outer step settings"):
+        OuterHyper(lr=0.7, momentum=1.5).check()
+
+
+def test_an_averaging_round_with_a_dead_member_fails_cleanly_and_the_survivors_average_again():
+    """A member that never sends: after the timeout the round fails on every survivor with their
+    tensors unchanged, and a round of the survivors alone gives their average."""
+
+    async def go():
+        hosts = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
+        first = [str(a) for a in await hosts[0].get_visible_maddrs()]
+        hosts += [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first) for _ in range(2)]
+        averagers = [GroupAverager(h, "test") for h in hosts[:2]]
+        try:
+            for averager in averagers:
+                await averager.start()
+            ids = [h.peer_id.to_base58() for h in hosts]
+            await hosts[2].shutdown()  # named in the group, gone
+            tensors = [[torch.full((300_000,), float(i)), torch.full((7,), 10.0 * i)] for i in range(2)]
+            kept = [[x.clone() for x in ts] for ts in tensors]
+            rounds = [a.average(b"with-dead", ts, ids, 1.0) for a, ts in zip(averagers, tensors)]
+            for outcome in await asyncio.gather(*rounds, return_exceptions=True):
+                assert isinstance(outcome, AveragingFailed)
+            assert all(torch.equal(a, b) for ts, ks in zip(tensors, kept) for a, b in zip(ts, ks))
+            rounds = [a.average(b"survivors", ts, ids[:2], 5.0) for a, ts in zip(averagers, tensors)]
+            for averaged in await asyncio.gather(*rounds):
+                assert torch.allclose(averaged[0], torch.full((300_000,), 0.5)) and torch.allclose(averaged[1], torch.full((7,), 5.0))
+            assert sum(a.wire_bytes for a in averagers) > 300_000 * 4
+        finally:
+            for averager in averagers:
+                await averager.stop()
+            for host in hosts[:2]:
+                await host.shutdown()
+
+    asyncio.run(go())
