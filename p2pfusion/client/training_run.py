@@ -154,6 +154,9 @@ class TrainingRun:
                 break
             except PeerFailed as exc:
                 await self._lost(exc, routes)
+            except P2PFusionError:  # the step is not taken: what its other micro-batches left goes too
+                await self._discard(routes, set())
+                raise
         passes: dict[str, int] = {}
         for route, (_, _, chunks) in zip(routes, results):
             for record in route:
@@ -203,11 +206,12 @@ class TrainingRun:
             "training run %s: replica %s failed during step %d (%s); running the step again on the others",
             self.config.run, ", ".join(sorted(gone)) or "?", self.step, exc,
         )
+        await self._discard(routes, gone)
+
+    async def _discard(self, routes: list[list[PeerRecord]], gone: set[str]) -> None:
+        peers = {r.peer_id: r for route in routes for r in route if r.peer_id not in gone}
         drop = t.DiscardStep(self.config.run, self.step)
-        await asyncio.gather(
-            *[call(self.swarm.transport, p, r.data_addrs, drop) for p, r in peers.items() if p not in gone],
-            return_exceptions=True,
-        )
+        await asyncio.gather(*[call(self.swarm.transport, p, r.data_addrs, drop) for p, r in peers.items()], return_exceptions=True)
 
     async def _apply(self, routes: list[list[PeerRecord]], passes: dict[str, int], lr: float) -> None:
         config, counts = self.config, served(routes)

@@ -23,7 +23,6 @@ from p2pfusion.net.clients import Source
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.framing import FrameError, FrameLimits, read_frame
 from p2pfusion.net.train_calls import fetch_state, status
-from p2pfusion.net.transport import Transport
 from p2pfusion.peer.replica import InnerHyper, OuterHyper, Replica
 from p2pfusion.peer.scheduler import Scheduler
 from p2pfusion.peer.server import StageServer
@@ -41,14 +40,14 @@ def group_id(model: str, run: str, start: int, end: int, round_: int, attempt: i
 
 
 class ReplicaService:
-    def __init__(self, replica: Replica, model: str, transport: Transport, scheduler: Scheduler):
+    def __init__(self, replica: Replica, model: str, swarm: SwarmNode, scheduler: Scheduler):
         self.replica = replica
         self.model = model
-        self.transport = transport
+        self.swarm = swarm  # where it finds the stage's other replicas
+        self.transport = swarm.transport
         self.scheduler = scheduler
-        self.averager = GroupAverager(transport.p2p, f"p2pfusion.average.{model}.{replica.run}")
+        self.averager = GroupAverager(self.transport.p2p, f"p2pfusion.average.{model}.{replica.run}")
         self.outer_seconds = 0.0
-        self.swarm: SwarmNode | None = None  # where it finds the stage's other replicas
         self._catching_up: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -189,8 +188,7 @@ async def join_run(swarm: SwarmNode, model: str, run: str, stage: Stage, server:
     there are any (never the model's own weights then: those would be stale), and serve the run's
     protocol. A ModelError when replicas exist but none could share its state."""
     replica = Replica(stage, run)
-    service = ReplicaService(replica, model, swarm.transport, server.compute.scheduler)
-    service.swarm = swarm
+    service = ReplicaService(replica, model, swarm, server.compute.scheduler)
     if not await service.catch_up():
         raise ModelError(
             f"layers {stage.start}:{stage.end} of training run {run} have replicas, but none shared its state; "
