@@ -49,7 +49,8 @@ def test_one_replica_per_stage_with_h1_equals_local_training(tiny_models, family
     source = tiny_models[family]
     model, optimizer = _reference(source)
     with peers_in_background(source, [(0, 1), (1, 3), (3, 4)], train="exact") as (peers, maddrs, loop):
-        assert loop.run(peers[0].swarm.lookup(source.key)) == []  # inference never sees a training replica
+        # inference never sees a training replica, nor lists its model as served
+        assert loop.run(peers[0].swarm.lookup(source.key)) == [] and loop.run(peers[0].swarm.models()) == []
         with SwarmTrainer.connect(str(source.folder), maddrs, run="exact", sync_every=1, lr=LR, outer_lr=1.0, outer_momentum=0.0) as trainer:
             for ids in BATCHES:
                 loss = trainer.step(ids)

@@ -289,8 +289,9 @@ class Peer:
             # finishing a load keeps the claim's time: joiners order their claims by it (yields_to)
             self.record = replace(new, since=time.time())
         await self.swarm.announce(self.record)
-        source = self.options.source
-        await self.swarm.announce_model(ModelEntry(self.model, source.name, self.num_layers, self.config.hidden_size))
+        if self.options.train is None:  # the list names the models served to clients; a replica serves none
+            source = self.options.source
+            await self.swarm.announce_model(ModelEntry(self.model, source.name, self.num_layers, self.config.hidden_size))
 
     async def move(self, start: int, end: int, overlap: bool) -> None:
         """Serve [start, end) instead. With `overlap`, the old range serves until the new one is loaded."""
