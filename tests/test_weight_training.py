@@ -75,7 +75,7 @@ def test_one_replica_per_stage_with_h1_equals_local_training(tiny_models, family
 def test_an_outer_step_with_two_replicas_is_the_hand_computed_average(tiny_models, tmp_path):
     source = tiny_models["llama"]
     with peers_in_background(source, [(0, 2), (0, 2), (2, 4)], train="avg") as (peers, maddrs, loop):
-        replicas = [p.replica.replica for p in peers[:2]]
+        replicas = [p.training.replica for p in peers[:2]]
         start = [w.detach().clone() for w in replicas[0].weights]
         with SwarmTrainer.connect(str(source.folder), maddrs, run="avg", sync_every=100, lr=LR, outer_lr=0.7, outer_momentum=0.9) as trainer:
             for ids in BATCHES[:2]:
@@ -136,7 +136,7 @@ def test_a_replica_killed_mid_window_is_left_out_and_a_joiner_gets_the_current_w
 def test_bad_requests_are_refused_and_leave_the_weights_untouched(tiny_models):
     source = tiny_models["llama"]
     with peers_in_background(source, [(0, 4)], train="guard") as (peers, maddrs, loop):
-        replica = peers[0].replica.replica
+        replica = peers[0].training.replica
         before = [w.detach().clone() for w in replica.weights]
         transport = peers[0].swarm.transport
         me, addrs = peers[0].swarm.peer_id, peers[0].record.data_addrs

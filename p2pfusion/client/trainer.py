@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.training_run import RunConfig, TrainingRun
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
-from p2pfusion.models.fingerprint import weight_files
-from p2pfusion.models.formats import LAYER_PREFIX, layer_shapes
+from p2pfusion.models.formats import layer_shapes
 from p2pfusion.models.source import resolve_model
-from p2pfusion.models.stage import load_config, load_head
+from p2pfusion.models.stage import load_config, load_head, write_model
 from p2pfusion.net.secret import load_secret
 
 log = logging.getLogger(__name__)
@@ -81,9 +77,7 @@ class SwarmTrainer:
     @property
     def averaged_bytes(self) -> int:
         """Bytes the averaging rounds of the replicas online now moved, as they report them."""
-        run = self._run
-        self._loop.run(run.report())
-        return run.averaged_bytes
+        return self._loop.run(self._run.averaged_bytes())
 
     def _checked(self, input_ids: torch.Tensor, labels: torch.Tensor | None, mask: torch.Tensor | None):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -119,16 +113,7 @@ class SwarmTrainer:
         source = self._run.source
         path = Path(path)
         weights = self._loop.run(self._run.stage_weights(lambda r: layer_shapes(source.folder, r.start, r.end)))
-        tensors = {}
-        for file in weight_files(source.folder):
-            with safe_open(str(file), framework="pt") as f:
-                tensors.update({k: f.get_tensor(k) for k in f.keys() if not k.startswith(LAYER_PREFIX)})
-        tensors.update(weights)
-        path.mkdir(parents=True, exist_ok=True)
-        for item in source.folder.iterdir():  # config, tokenizer, generation config, notices
-            if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
-                shutil.copy2(item, path / item.name)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
+        write_model(source, weights, path)
         run = self._run
         (path / "p2pfusion_training.json").write_text(json.dumps({
             "base_model_key": source.key, "run": run.config.run, "outer_steps": run.round, "inner_steps": run.step,

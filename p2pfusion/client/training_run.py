@@ -78,7 +78,6 @@ class TrainingRun:
         self.step = 0  # inner steps the run has taken
         self.round = 0  # outer steps
         self.redone = 0  # steps run again after a replica failed
-        self.averaged_bytes = 0  # by the replicas that answered the last status, summed
         self._avoid: dict[str, float] = {}  # peer id -> until when it is left out
         # peer id -> the round it said it was at: replicas are asked once per round, and a step
         # through one that has failed since is run again without it
@@ -111,12 +110,11 @@ class TrainingRun:
                 raise answer
             else:
                 self._avoid[record.peer_id] = time.monotonic() + AVOID_SECONDS
-        self.averaged_bytes = sum(a.averaged_bytes for a in out.values())
         return out
 
-    async def report(self) -> None:
-        """Ask every replica online where it is (its averaging traffic included)."""
-        await self._statuses(await self._online())
+    async def averaged_bytes(self) -> int:
+        """The bytes the averaging rounds of the replicas online now moved, as they report them."""
+        return sum(a.averaged_bytes for a in (await self._statuses(await self._online())).values())
 
     async def replicas(self) -> list[list[PeerRecord]]:
         """The run's stages, of the replicas at the driver's round; waits while some layers have none."""
@@ -143,8 +141,7 @@ class TrainingRun:
 
     async def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, lr: float) -> float:
         """One inner step on the batch; its mean loss over the labelled tokens."""
-        with torch.no_grad():
-            hidden = self.head.get_input_embeddings()(input_ids).float()
+        hidden = self._embed(input_ids)
         while True:
             routes = chains(await self.replicas(), input_ids.shape[0])
             parts = split_rows(input_ids.shape[0], len(routes))
@@ -168,28 +165,41 @@ class TrainingRun:
         tokens = sum(n for _, n, _ in results)
         return sum(loss * n for loss, n, _ in results) / max(tokens, 1)
 
-    async def _micro(self, route: list[PeerRecord], hidden, labels, mask) -> tuple[float, int, int]:
-        """A micro-batch's forward and backward through one chain: its mean loss, labelled tokens, passes."""
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.head.get_input_embeddings()(input_ids).float()
+
+    async def _forward(self, route: list[PeerRecord], hidden: torch.Tensor, mask) -> tuple[InferenceSession, list, torch.Tensor]:
+        """The chain's output for `hidden`, sent in pieces the peers take (a training session, no
+        compression; the caller closes it): the session, (step, sequences) per piece, the output."""
         batch, tokens = hidden.shape[:2]
-        positions = torch.arange(tokens).expand(batch, -1)
-        pieces = split_batch(hidden, mask, positions)
+        pieces = split_batch(hidden, mask, torch.arange(tokens).expand(batch, -1))
         session = InferenceSession(self.swarm.transport, route, tokens, "none", None, Purpose.TRAINING, batch)
         await session.open()
         try:
-            steps = [await session.submit(c.hidden, c.mask, c.positions) for c in pieces]
-            out = torch.cat([await session.result(s, PASS_TIMEOUT) for s in steps]).requires_grad_(True)
+            steps = [(await session.submit(c.hidden, c.mask, c.positions), c.hidden.shape[0]) for c in pieces]
+            return session, steps, torch.cat([await session.result(s, PASS_TIMEOUT) for s, _ in steps])
+        except BaseException:
+            await session.close()
+            raise
+
+    async def _micro(self, route: list[PeerRecord], hidden, labels, mask) -> tuple[float, int, int]:
+        """A micro-batch's forward and backward through one chain: its mean loss, labelled tokens, passes."""
+        session, steps, out = await self._forward(route, hidden, mask)
+        try:
+            out.requires_grad_(True)
             with torch.enable_grad():
                 loss = self.head(inputs_embeds=out, labels=labels).loss
                 loss.backward()
             if not torch.isfinite(out.grad).all():
                 raise RequestError(f"the loss is not finite at step {self.step}: the step is not taken")
-            for s, g in zip(steps, out.grad.split([c.hidden.shape[0] for c in pieces])):
+            for (s, _), g in zip(steps, out.grad.split([rows for _, rows in steps])):
                 await session.submit_backward(s, g.contiguous())
-            for s in steps:
+            for s, _ in steps:
                 await session.backward_result(s, PASS_TIMEOUT)
         finally:
             await session.close()
-        return loss.item(), int((labels[:, 1:] != -100).sum()), len(pieces)
+        return loss.item(), int((labels[:, 1:] != -100).sum()), len(steps)
 
     async def _lost(self, exc: PeerFailed, routes: list[list[PeerRecord]]) -> None:
         """Leave out the replicas that failed, drop the step's gradients on the others."""
@@ -236,7 +246,7 @@ class TrainingRun:
         self.round += 1
 
     async def _average(self, members: list[PeerRecord]) -> None:
-        config = self.config
+        config, layers = self.config, f"{members[0].start}:{members[0].end}"
         for attempt in range(ROUND_ATTEMPTS):
             group = [r.peer_id for r in members]
             request = t.OuterStep(
@@ -259,9 +269,8 @@ class TrainingRun:
             where = await self._statuses([r for r, _ in failed])
             members = [r for r, _ in failed if r.peer_id in where and where[r.peer_id].round == self.round]
             log.warning(
-                "training run %s: outer step %d of layers %d:%d failed (%s); again with %d replicas",
-                config.run, self.round, members[0].start if members else -1, members[0].end if members else -1,
-                failed[0][1], len(members),
+                "training run %s: outer step %d of layers %s failed (%s); again with %d replicas",
+                config.run, self.round, layers, failed[0][1], len(members),
             )
             if not members:
                 return
@@ -269,21 +278,10 @@ class TrainingRun:
 
     async def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> float:
         """The mean loss through one chain (after an outer step, every replica holds the same weights)."""
-        route = chains(await self.replicas(), 1)[0]
+        session, _, out = await self._forward(chains(await self.replicas(), 1)[0], self._embed(input_ids), mask)
+        await session.close()  # the peers drop the forwards they kept for a backward pass
         with torch.no_grad():
-            hidden = self.head.get_input_embeddings()(input_ids).float()
-        batch, tokens = hidden.shape[:2]
-        pieces = split_batch(hidden, mask, torch.arange(tokens).expand(batch, -1))
-        session = InferenceSession(self.swarm.transport, route, tokens, "none", None, Purpose.TRAINING, batch)
-        await session.open()
-        try:
-            outs = []
-            for piece in pieces:  # one at a time: each is dropped from the peers' memory at the session's end
-                outs.append(await session.result(await session.submit(piece.hidden, piece.mask, piece.positions), PASS_TIMEOUT))
-        finally:
-            await session.close()
-        with torch.no_grad():
-            return float(self.head(inputs_embeds=torch.cat(outs), labels=labels).loss)
+            return float(self.head(inputs_embeds=out, labels=labels).loss)
 
     async def stage_weights(self, shapes_of) -> dict[str, torch.Tensor]:
         """Every layer's outer weights (those of the last outer step), from one replica per stage."""

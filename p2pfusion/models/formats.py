@@ -161,21 +161,29 @@ def _packed(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "tensor_data_names")  # torchao's quantized tensors have no storage of their own
 
 
+def _layer_headers(folder: Path):
+    """(layer index, tensor name, header slice) of every decoder-layer tensor: headers only, no weight read."""
+    for path in weight_files(folder):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key.startswith(LAYER_PREFIX):
+                    yield int(key[len(LAYER_PREFIX):].split(".", 1)[0]), key, f.get_slice(key)
+
+
 def layer_sizes(folder: Path, num_layers: int, fmt: WeightFormat, compute: torch.dtype) -> list[int]:
     """Bytes each decoder layer's weights will take in `fmt`, from the safetensors headers alone
     (no weight is read), so a peer knows what fits before it loads anything."""
     sizes = [0] * num_layers
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if not key.startswith(LAYER_PREFIX):
-                    continue
-                index = int(key[len(LAYER_PREFIX):].split(".", 1)[0])
-                if 0 <= index < num_layers:
-                    piece = f.get_slice(key)
-                    stored = SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
-                    sizes[index] += matrix_bytes(list(piece.get_shape()), stored, fmt, compute)
+    for index, _, piece in _layer_headers(folder):
+        if 0 <= index < num_layers:
+            stored = SAFETENSORS_DTYPES.get(piece.get_dtype(), torch.float32)
+            sizes[index] += matrix_bytes(list(piece.get_shape()), stored, fmt, compute)
     return sizes
+
+
+def layer_shapes(folder: Path, start: int, end: int) -> dict[str, list[int]]:
+    """The shape of every tensor of layers [start, end), by its name in the files."""
+    return {key: list(piece.get_shape()) for index, key, piece in _layer_headers(folder) if start <= index < end}
 
 
 def minimum_format(text: str | WeightFormat) -> WeightFormat:
@@ -193,14 +201,3 @@ def load_settings(fmt: WeightFormat, compute: torch.dtype = torch.float32) -> tu
     if fmt in QUANTS:
         return compute, fmt
     return DTYPES[fmt.value], None
-
-
-def layer_shapes(folder: Path, start: int, end: int) -> dict[str, list[int]]:
-    """The shape of every tensor of layers [start, end), by its name in the files (headers only)."""
-    shapes = {}
-    for path in weight_files(folder):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key.startswith(LAYER_PREFIX) and start <= int(key[len(LAYER_PREFIX):].split(".", 1)[0]) < end:
-                    shapes[key] = list(f.get_slice(key).get_shape())
-    return shapes

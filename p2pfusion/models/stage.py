@@ -12,12 +12,14 @@ Only the weights of the modules built are read from disk.
 from __future__ import annotations
 
 import copy
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from tqdm import tqdm
 from transformers import (
@@ -281,3 +283,19 @@ def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Mod
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     _materialize(head, weights, "the embeddings and LM head")
     return _frozen(head, "cpu", dtype)
+
+
+def write_model(source: ModelSource, layers: dict[str, torch.Tensor], path: Path) -> None:
+    """A Hugging Face folder of `source` with its decoder layers' tensors replaced by `layers` (by
+    their names in the files): the other tensors, the config, tokenizer and notices as they are."""
+    files = _tensor_files(source.folder)
+    missing = {key for key in files if key.startswith(LAYER_PREFIX)} - set(layers)
+    if missing:
+        raise ModelError(f"no trained value for {sorted(missing)[0]} (and {len(missing) - 1} more)")
+    tensors = _read(files, {key: key for key in files if not key.startswith(LAYER_PREFIX)}, torch.float32)
+    tensors.update(layers)
+    path.mkdir(parents=True, exist_ok=True)
+    for item in source.folder.iterdir():
+        if item.is_file() and not item.name.endswith(".safetensors") and item.name != "model.safetensors.index.json":
+            shutil.copy2(item, path / item.name)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -119,20 +119,21 @@ def to_header(message: Any) -> dict[str, Any]:
     return {"kind": message.kind, **asdict(message)}
 
 
-def _field(name: str, kind: Any, raw: Any) -> Any:
-    if kind in ("int", int):
+def _field(name: str, kind: str, raw: Any) -> Any:
+    """A field's value checked against its annotation (a string: this module's annotations are postponed)."""
+    if kind == "int":
         if type(raw) is not int or not 0 <= raw < 1 << 53:
             raise RequestError(f"field {name!r} must be a whole number >= 0")
         return raw
-    if kind in ("float", float):
+    if kind == "float":
         if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not math.isfinite(raw):
             raise RequestError(f"field {name!r} must be a finite number")
         return float(raw)
-    if kind in ("bool", bool):
+    if kind == "bool":
         if not isinstance(raw, bool):
             raise RequestError(f"field {name!r} must be true or false")
         return raw
-    if kind in ("str", str):
+    if kind == "str":
         if not isinstance(raw, str) or len(raw) > 256:
             raise RequestError(f"field {name!r} must be a string of at most 256 characters")
         return raw

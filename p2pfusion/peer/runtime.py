@@ -102,7 +102,7 @@ class Peer:
         self._checked: dict[str, tuple[float, bool]] = {}
         self.metrics = StageMetrics(self.model)
         self.exporter: Exporter | None = None
-        self.replica: ReplicaService | None = None
+        self.training: ReplicaService | None = None  # a training replica's protocol (--train)
 
     async def live_records(self) -> tuple[list[PeerRecord], set[str]]:
         """The model's records, less the peers that clients reported unreachable and that fail our
@@ -222,7 +222,7 @@ class Peer:
             metrics=self.metrics,
         )
         if self.options.train is not None:
-            self.replica = await join_run(self.swarm, self.model, self.options.train, stage, self.server)
+            self.training = await join_run(self.swarm, self.model, self.options.train, stage, self.server)
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"
@@ -316,8 +316,8 @@ class Peer:
         if self.server is not None:
             await self.server.drain(self.options.drain_timeout)
             await self.server.stop()
-        if self.replica is not None:
-            await self.replica.stop()
+        if self.training is not None:
+            await self.training.stop()
         if self.exporter is not None:
             await asyncio.to_thread(self.exporter.close)
             self.exporter = None

@@ -78,11 +78,16 @@ class StageServer:
         self.compute = StageCompute(decode_threads, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
         self._freed = 0  # bytes of sessions ended since the heap was last trimmed
         self.draining = False
-        self.training_run: str | None = None  # set on a training replica: it serves that run's micro-batches only
-        self.on_backward: Callable[[], None] = lambda: None  # a replica counts the micro-batches it ran
+        self.training_run: str | None = None  # a training replica's run: it serves that run's micro-batches only
+        self._backward_ran: Callable[[], None] = lambda: None
         self._streams: tuple[Stage, StreamLimits] | None = None
         self.metrics = metrics
         metrics.watch(self)
+
+    def serve_run(self, run: str, on_backward: Callable[[], None]) -> None:
+        """Serve as a replica of training run `run`: training sessions only, and `on_backward()`
+        after each backward pass (its weights' gradients have grown)."""
+        self.training_run, self._backward_ran = run, on_backward
 
     @property
     def graph_bytes(self) -> int:
@@ -357,7 +362,7 @@ class StageServer:
             await send_quietly(session.upstream, m.Error(message=str(exc), step=message.step))
             return
         session.backward_ran(seconds)
-        self.on_backward()
+        self._backward_ran()
         if param_grads:  # before the input's gradient, so the client has them all when that comes
             entries = [(name, list(g.shape)) for name, g in zip(inputs.adapter.names, param_grads)]
             header = m.to_header(m.ParamGrads(message.step, entries))

@@ -47,7 +47,6 @@ class ReplicaService:
         self.transport = swarm.transport
         self.scheduler = scheduler
         self.averager = GroupAverager(self.transport.p2p, f"p2pfusion.average.{model}.{replica.run}")
-        self.outer_seconds = 0.0
         self._catching_up: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -132,8 +131,7 @@ class ReplicaService:
                 self._catching_up = asyncio.create_task(self.catch_up(request.round))
         else:
             raise RequestError(f"unexpected {request.kind!r} request")
-        reply = m.Ack() if not isinstance(request, t.Status) else self._where()
-        await write(writer, t.to_header(reply) if isinstance(reply, t.StateEnd) else m.to_header(reply))
+        await write(writer, t.to_header(self._where() if isinstance(request, t.Status) else m.Ack()))
 
     def _where(self) -> t.StateEnd:
         r = self.replica
@@ -158,10 +156,9 @@ class ReplicaService:
         averaged = await self.averager.average(gid, delta, request.group, request.timeout, request.compression)
         del delta
         await self._compute(replica.outer_step, averaged, hyper)
-        self.outer_seconds = time.perf_counter() - started
         log.info(
             "outer step %d of run %s with %d replicas of layers %d:%d (%.1f s)",
-            request.round, replica.run, len(set(request.group)), stage.start, stage.end, self.outer_seconds,
+            request.round, replica.run, len(set(request.group)), stage.start, stage.end, time.perf_counter() - started,
         )
 
     async def _send_state(self, request: t.FetchState, writer) -> None:
@@ -196,7 +193,6 @@ async def join_run(swarm: SwarmNode, model: str, run: str, stage: Stage, server:
         )
     if replica.step == 0 and replica.round == 0:
         log.info("replica of layers %d:%d of run %s, from the model's weights", stage.start, stage.end, run)
-    server.training_run = run
-    server.on_backward = replica.ran_backward
+    server.serve_run(run, replica.ran_backward)
     await service.start()
     return service
