@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from p2pfusion.models.cache_arg import cache_arg
 from p2pfusion.net.codecs import Codec, pack, unpack
 
 NN_CHUNK = 256  # states scored against the vocabulary at once: 256 x 49152 floats is 50 MB
@@ -87,7 +88,7 @@ def _run_to(model, depth: int, cache: DynamicCache | None, **inputs) -> torch.Te
 
     handle = model.model.layers[depth].register_forward_pre_hook(stop, with_kwargs=True)
     try:
-        model.model(past_key_values=cache, use_cache=cache is not None, **inputs)
+        model.model(use_cache=cache is not None, **{cache_arg(type(model.model).forward): cache}, **inputs)
     except _Reached as reached:
         return reached.hidden
     finally:

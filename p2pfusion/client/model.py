@@ -31,6 +31,7 @@ from p2pfusion.client.verify import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.models.adapters import DEFAULT_LORA_TARGETS
+from p2pfusion.models.cache_arg import NEW, OLD, cache_arg, given_cache
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config, load_head
 from p2pfusion.net.compression import AUTO, Purpose
@@ -108,13 +109,13 @@ class RemoteDecoder(nn.Module):
         return self.embed_tokens
 
     def forward(
-        self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
-        use_cache=None, **kwargs,
+        self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, use_cache=None, **kwargs,
     ) -> BaseModelOutputWithPast:
+        cache = given_cache(kwargs)
         if (input_ids is None) == (inputs_embeds is None):
             raise RequestError("pass exactly one of input_ids and inputs_embeds")
-        if past_key_values is not None and not isinstance(past_key_values, RemoteCache):
-            raise RequestError("past_key_values must be a RemoteCache: the peers hold the KV caches")
+        if cache is not None and not isinstance(cache, RemoteCache):
+            raise RequestError("the cache (past_key_values) must be a RemoteCache: the peers hold the KV caches")
         if input_ids is not None:
             vocab = self.embed_tokens.num_embeddings
             if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
@@ -125,7 +126,6 @@ class RemoteDecoder(nn.Module):
         if embeds.dim() != 3 or embeds.shape[-1] != self.config.hidden_size:
             raise RequestError(f"inputs_embeds must be [batch, tokens, {self.config.hidden_size}], got {list(embeds.shape)}")
         batch, tokens = embeds.shape[:2]
-        cache: RemoteCache | None = past_key_values
         past = 0 if cache is None else cache.get_seq_length()
         positions = _positions(position_ids, batch, tokens, past)
         mask = _mask(attention_mask, batch, past + tokens)
@@ -142,7 +142,7 @@ class RemoteDecoder(nn.Module):
         hidden = self._layers(embeds.to(self.dtype), mask, positions, cache, tokens)
         if prompt and past == 0:
             hidden = hidden[:, prompt:]
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden), **{cache_arg(BaseModelOutputWithPast): cache})
 
     def _layers(self, hidden, mask, positions, cache: RemoteCache | None, tokens: int) -> torch.Tensor:
         if cache is not None:
@@ -194,23 +194,24 @@ class DistributedModelMixin:
         self.model.adapter = adapter
 
     def forward(
-        self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+        self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None,
         labels=None, use_cache=None, logits_to_keep=0, **kwargs,
     ):
+        cache = given_cache(kwargs)
         inputs = input_ids if input_ids is not None else inputs_embeds
         if labels is not None and inputs is not None and tuple(labels.shape) != tuple(inputs.shape[:2]):
             raise RequestError(f"labels must have the inputs' shape {list(inputs.shape[:2])}, got {list(labels.shape)}")
         return super().forward(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-            logits_to_keep=logits_to_keep, **kwargs,
+            inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache, logits_to_keep=logits_to_keep,
+            **{cache_arg(super().forward.__func__): cache}, **kwargs,
         )
 
     def generate(self, *args, **kwargs):
         config = kwargs.get("generation_config") or self.generation_config
         if (kwargs.get("num_beams") or config.num_beams or 1) > 1:
             raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
-        if kwargs.get("past_key_values") is not None:
+        if kwargs.get(NEW) is not None or kwargs.get(OLD) is not None:
             return super().generate(*args, **kwargs)
         client, adapter = self.model.client, self.model.adapter
         reserved = 0 if adapter is None else adapter.prompt_length  # positions the soft prompt takes
@@ -226,7 +227,7 @@ class DistributedModelMixin:
         for _ in range(MAX_REWINDS):  # wrong results caught: the liar is distrusted, generate again
             cache = RemoteCache(client, params, prompt + wanted + reserved)
             try:
-                result = super().generate(*args, past_key_values=cache, **kwargs)
+                result = super().generate(*args, **{cache_arg(super().forward.__func__): cache}, **kwargs)
                 if cache.verified():
                     return result
             except WrongResults:

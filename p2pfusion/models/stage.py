@@ -33,6 +33,7 @@ from transformers.initialization import no_init_weights
 
 from p2pfusion.errors import ModelError
 from p2pfusion.models.adapters import StageAdapter, applied
+from p2pfusion.models.cache_arg import cache_arg
 from p2pfusion.models.fingerprint import weight_files
 from p2pfusion.models.formats import LAYER_PREFIX, WeightFormat, is_weight, quantize, stored_bytes, weight_format, weight_storages
 from p2pfusion.models.kv_cache import SessionCache, batchable, batched_step
@@ -106,8 +107,8 @@ class Stage:
                 inputs_embeds=hidden.to(self.device, self.dtype),
                 attention_mask=None if attention_mask is None else attention_mask.to(self.device),
                 position_ids=position_ids.to(self.device),
-                past_key_values=cache,
                 use_cache=cache is not None,
+                **{cache_arg(type(self.module).forward): cache},
             ).last_hidden_state.to(hidden.dtype)  # hidden states travel in the sender's dtype, whatever ours
 
     @torch.inference_mode()
@@ -143,8 +144,8 @@ class Stage:
             inputs_embeds=torch.cat([h.to(self.dtype) for h in hidden]).to(self.device),
             attention_mask=step.attention_mask.to(self.device),
             position_ids=step.position_ids.to(self.device),
-            past_key_values=step.cache,
             use_cache=True,
+            **{cache_arg(type(self.module).forward): step.cache},
         ).last_hidden_state.cpu()
         return [part.to(h.dtype) for part, h in zip(out.split(rows), hidden)]
 
