@@ -53,12 +53,13 @@ def test_rounding_that_reverses_the_order_in_float16_still_gives_the_float32_tok
 
 
 def test_exact_ties_and_inputs_float16_cannot_hold_go_to_the_full_head():
-    weight = torch.randn(50, 16)
+    weight = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))
     weight[7] = weight[3]
     x = weight[3].clone()  # rows 3 and 7 share the best logit
     screen = ScreenedHead.of(weight)
     assert screen.next_token(x) is None
-    assert screen.next_tokens(torch.stack([x, weight[5]])) == [None, 5]  # a tie only the full head settles
+    other = weight[5] * 4  # a row of random weights need not be its own best match: ask the full head
+    assert screen.next_tokens(torch.stack([x, other])) == [None, _full_argmax(weight, other)]  # a tie only the full head settles
     assert screen.next_token(torch.full((16,), 1e5)) is None
     assert screen.next_token(torch.full((16,), float("nan"))) is None
 
