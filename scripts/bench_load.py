@@ -5,8 +5,11 @@ normal sessions beside an abusive client process, against the same 4 without it.
 
 Per N (default 1, 2, 4, 8, 16): distinct chat prompts, --tokens new tokens each without stopping at
 EOS, all sessions started together (asyncio.gather on one RemoteCausalLM, result checks off).
-- aggregate decode tokens/s: tokens after each session's first, over the time from the first
-  session's first token to the last session's last token (other sessions' prefills included);
+- aggregate decode tokens/s, two ways: "all decoding", the tokens chosen while all N sessions
+  were decoding (from the last session's first token to the first session's last), over that
+  time, which is what the reference measures; "first to last", tokens after each session's first,
+  over the time from the first session's first token to the last session's last token (other
+  sessions' prefills, and the last ones finishing alone, included);
 - p50 / p99 per-token latency: gaps between successive tokens of a session, pooled over all
   sessions (small N runs again until --min-gaps gaps are pooled);
 - errors: sessions that raised; peak RSS: VmHWM of each peer process, reset before each N;
@@ -69,6 +72,8 @@ class LoadRun:
     sessions: int
     tokens: int = 0  # new tokens after each session's first
     seconds: float = 0.0  # decode wall time, summed over runs
+    all_tokens: int = 0  # tokens chosen while every session was decoding
+    all_seconds: float = 0.0  # how long that was, summed over runs
     gaps: list[float] = field(default_factory=list)  # seconds between successive tokens of a session
     errors: list[str] = field(default_factory=list)
     completed: int = 0  # sessions that generated all their tokens
@@ -77,6 +82,10 @@ class LoadRun:
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def all_rate(self) -> float:
+        return self.all_tokens / self.all_seconds if self.all_seconds > 0 else 0.0
 
     def latency(self, q: float) -> float:
         return percentile(self.gaps, q)
@@ -169,6 +178,11 @@ async def concurrent(model: RemoteCausalLM, batch: list[list[int]], tokens: int,
         run.seconds += max(s[-1] for s in started) - min(s[0] for s in started)
         run.tokens += sum(len(s) - 1 for s in started)
         run.gaps += [b - a for s in started for a, b in zip(s, s[1:])]
+    if started and len(started) == len(batch):
+        begin, end = max(s[0] for s in started), min(s[-1] for s in started)
+        if end > begin:
+            run.all_seconds += end - begin
+            run.all_tokens += sum(begin < t <= end for s in started for t in s)
 
 
 async def measure(model: RemoteCausalLM, batch: list[list[int]], tokens: int, min_gaps: int, pids: list[int]) -> LoadRun:
@@ -295,7 +309,8 @@ async def bench(args, source, local, pad: int, swarm: LocalSwarm) -> tuple[list[
             rate, threads = local_rate(local, batch, args.tokens, pad)
             run = await measure(model, batch, args.tokens, args.min_gaps, pids)
             rows.append(Row(run, rate, threads))
-            print(f"{n} sessions: {run.rate:.1f} tok/s (local batched {rate:.1f} on {threads} threads), "
+            print(f"{n} sessions: {run.all_rate:.1f} tok/s all decoding, {run.rate:.1f} first to last "
+                  f"(local batched {rate:.1f} on {threads} threads), "
                   f"p50 {run.latency(0.5) * 1e3:.0f} ms, p99 {run.latency(0.99) * 1e3:.0f} ms, "
                   f"{len(run.errors)} errors{': ' + run.errors[0] if run.errors else ''}", file=sys.stderr)
         abused: dict[str, tuple[LoadRun, str]] = {}
@@ -319,11 +334,14 @@ def verdict(ok: bool | None) -> str:
 
 
 def report(rows: list[Row], abused: dict[str, tuple[LoadRun, str]], tokens: int) -> None:
-    print(f"\n{'sessions':>8} {'swarm tok/s':>11} {'local tok/s':>11} {'threads':>7} {'ratio':>6} {'p50 ms':>7} "
+    print("\nswarm tok/s: while all sessions decode / from the first token to the last (see the top)")
+    print(f"{'sessions':>8} {'swarm tok/s':>13} {'local tok/s':>11} {'threads':>7} {'ratios':>11} {'p50 ms':>7} "
           f"{'p99 ms':>7} {'gaps':>5} {'errors':>6}  peak RSS MiB per peer")
     for row in rows:
         r = row.run
-        print(f"{r.sessions:>8} {r.rate:>11.1f} {row.local:>11.1f} {row.threads:>7} {r.rate / row.local:>6.2f} "
+        rates = f"{r.all_rate:.1f} / {r.rate:.1f}"
+        ratios = f"{r.all_rate / row.local:.2f} / {r.rate / row.local:.2f}"
+        print(f"{r.sessions:>8} {rates:>13} {row.local:>11.1f} {row.threads:>7} {ratios:>11} "
               f"{r.latency(0.5) * 1e3:>7.1f} {r.latency(0.99) * 1e3:>7.1f} {len(r.gaps):>5} {len(r.errors):>6}  "
               f"{' / '.join(f'{m:.0f}' for m in r.peak_rss)}")
     base = abused.get("none", (None, ""))[0]
@@ -337,12 +355,13 @@ def report(rows: list[Row], abused: dict[str, tuple[LoadRun, str]], tokens: int)
                   f"{done:>9} {len(run.errors):>6}  {said[:120]}")
     by_n = {row.run.sessions: row for row in rows}
     one, eight = by_n.get(1), by_n.get(8)
-    ratio = eight.run.rate / eight.local if eight else None
+    ratio = eight.run.all_rate / eight.local if eight else None
     p99 = eight.run.latency(0.99) / one.run.latency(0.99) if eight and one else None
     errors = sum(len(row.run.errors) for row in rows) + sum(len(run.errors) for run, _ in abused.values())
     print("\ntargets")
-    print(f"  aggregate at N=8 >= 0.8 x local batched generate at batch 8: "
-          f"{'-' if ratio is None else f'{ratio:.2f}'} {verdict(None if ratio is None else ratio >= 0.8)}")
+    print(f"  aggregate at N=8, all decoding, >= 0.8 x local batched generate at batch 8: "
+          f"{'-' if ratio is None else f'{ratio:.2f}'} {verdict(None if ratio is None else ratio >= 0.8)}"
+          f"{'' if ratio is None else f' (first to last token: {eight.run.rate / eight.local:.2f})'}")
     print(f"  p99 at N=8 <= 3x p99 at N=1: {'-' if p99 is None else f'{p99:.2f}x'} "
           f"{verdict(None if p99 is None else p99 <= 3)}")
     print(f"  zero errors: {errors} {verdict(errors == 0)}")

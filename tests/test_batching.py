@@ -1,6 +1,8 @@
 """Continuous batching: the pure policy of what runs next (hypothesis), and a batched forward of
 sessions with their own caches against each session run alone on transformers' own DynamicCache."""
 
+import asyncio
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -8,11 +10,12 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from p2pfusion.models.stage import load_stage
+from p2pfusion.peer import scheduler as scheduler_module
 from p2pfusion.peer.batching import (
     MAX_BATCH_ROWS,
     SOURCE_ROWS,
-    URGENT_ROWS,
     Pending,
+    all_back,
     fairness_unit,
     next_batch,
     served,
@@ -26,9 +29,10 @@ TOLERANCE = 1e-5  # relative L2, per session: float32 sums in another order in a
 
 jobs = st.lists(
     st.builds(
-        lambda source, rows, key: (source, rows, key),
+        lambda source, prefill, rows, key: (source, prefill, rows, key),
         st.sampled_from(SOURCES),
-        st.one_of(st.integers(1, 4), st.integers(URGENT_ROWS + 1, 512)),
+        st.booleans(),
+        st.integers(1, 512),
         st.sampled_from([None, "stage-1", "stage-2"]),
     ),
     min_size=1,
@@ -38,18 +42,24 @@ jobs = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(jobs, st.dictionaries(st.sampled_from(USED_KEYS), st.floats(0, 5)), st.booleans())
-def test_next_batch_is_fair_and_bounded(raw, used, after_big):
-    # batched jobs are decode steps (small); big ones run alone
-    pending = [Pending(s, rows, order, key if rows <= URGENT_ROWS else None) for order, (s, rows, key) in enumerate(raw)]
-    chosen = next_batch(pending, used, after_big)
+def test_next_batch_is_fair_and_bounded(raw, used, after_prefill):
+    # batched jobs are decode steps (a few rows: one position of a few sequences); prefills run alone
+    pending = [
+        Pending(s, rows, order, None, True) if prefill else Pending(s, min(rows, 4), order, key)
+        for order, (s, prefill, rows, key) in enumerate(raw)
+    ]
+    chosen = next_batch(pending, used, after_prefill)
     assert chosen and len(set(chosen)) == len(chosen)
     lead = pending[chosen[0]]
-    urgent = [job for job in pending if job.rows <= URGENT_ROWS]
-    if after_big and urgent:
-        assert lead.rows <= URGENT_ROWS  # a decode step waits for at most one big job
-        assert served(lead.source, used) == min(served(job.source, used) for job in urgent)
+    decode = [job for job in pending if not job.prefill]
+    if after_prefill and decode:
+        assert not lead.prefill  # a decode step waits for at most one prefill chunk
+        assert served(lead.source, used) == min(served(job.source, used) for job in decode)
     else:  # the least-served connection leads, and within it the least-served unit
         assert served(lead.source, used) == min(served(job.source, used) for job in pending)
+    # of equally served units' jobs, decode steps go first: a client's own new sessions' prefill
+    # chunks do not hold up its sessions that are decoding
+    assert not lead.prefill or not [job for job in decode if served(job.source, used) == served(lead.source, used)]
     if lead.key is None:
         assert len(chosen) == 1
         return
@@ -78,14 +88,78 @@ def test_sources_take_turns_and_each_is_capped():
     far = {"ip:abuser": 10.0}
     batch = [pending[i].source for i in next_batch(pending, far, False)]
     assert "ip:abuser" not in batch  # far ahead: it runs its own batches in between
-    prefill = [Pending("ip:a", 256, 0), Pending("ip:b", 1, 1, "s")]
-    assert next_batch(prefill, {"ip:b": 1.0}, after_big=False) == [0]  # the less served goes first...
-    assert next_batch(prefill, {"ip:b": 1.0}, after_big=True) == [1]  # ...but not twice in a row
+    prefill = [Pending("ip:a", 256, 0, prefill=True), Pending("ip:b", 1, 1, "s")]
+    assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=False) == [0]  # the less served goes first...
+    assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=True) == [1]  # ...but not twice in a row
     # an upstream peer's relayed clients share its one share: the heavy one among them falls behind
     relayed = [Pending(fairness_unit("peer:p", "ip:heavy"), 1, 0, "s"), Pending(fairness_unit("peer:p", "ip:light"), 1, 1, "s")]
     used = {"peer:p": 3.0, fairness_unit("peer:p", "ip:heavy"): 2.9, fairness_unit("peer:p", "ip:light"): 0.1}
     assert next_batch(relayed, used, False) == [1]
     assert next_batch(relayed + [Pending("ip:direct", 1, 2, "s")], used, False)[0] == 2  # a less-served connection
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.frozensets(st.sampled_from("abcdef"), min_size=1, max_size=4), max_size=4),
+    st.sets(st.sampled_from("abcdef")),
+    st.sets(st.sampled_from("abcdefg"), min_size=1),
+)
+def test_a_batch_starts_early_only_when_all_its_open_sessions_are_back(batches, ended, waiting):
+    mates = {}
+    for batch in batches:
+        mates.update((member, batch) for member in batch)
+    for member in ended:
+        mates.pop(member, None)
+    early = all_back(sorted(waiting), mates)
+    last_batches = [mates.get(member) for member in waiting]
+    complete = all(
+        batch is not None and len(batch) >= 2 and all(m in waiting or m not in mates for m in batch)
+        for batch in last_batches
+    )
+    assert early == complete
+
+
+def test_the_scheduler_runs_a_burst_at_once_and_waits_for_strangers(monkeypatch):
+    """Steps of sessions that ran together start as soon as the last of them arrives; a step of a
+    session it has not batched waits the gathering moment for others to join it."""
+    monkeypatch.setattr(scheduler_module, "MAX_GATHER", 0.4)
+    batches = []
+
+    def runner(items):
+        batches.append(items)
+        return items
+
+    async def main():
+        scheduler = scheduler_module.Scheduler()
+        scheduler._batch_seconds = 10.0  # a gathering moment of MAX_GATHER
+        loop = asyncio.get_running_loop()
+
+        async def step(member, delay=0.0):
+            await asyncio.sleep(delay)
+            return await scheduler.run_batched("ip:a", 1, "stage", runner, member, member)
+
+        try:
+            t = loop.time()
+            await asyncio.gather(step("a"), step("b", 0.05))
+            first = loop.time() - t
+            t = loop.time()
+            await asyncio.gather(step("a"), step("b", 0.05))
+            burst = loop.time() - t
+            scheduler.forget("b")
+            t = loop.time()
+            await step("a")
+            alone = loop.time() - t
+            t = loop.time()
+            await step("c")
+            stranger = loop.time() - t
+        finally:
+            scheduler.shutdown()
+        return first, burst, alone, stranger
+
+    first, burst, alone, stranger = asyncio.run(main())
+    assert batches[:2] == [["a", "b"], ["a", "b"]]
+    assert first >= 0.35 and stranger >= 0.35  # the gathering moment
+    assert burst < 0.3 and alone < 0.3, (burst, alone)  # b's arrival (or its end) completes the burst
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

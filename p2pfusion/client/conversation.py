@@ -136,28 +136,30 @@ class Conversation:
             hidden = await self._step(embeds)
             self.tokens += new
             t1 = time.perf_counter()
-            while True:
-                token = await model.next_token(hidden, temperature, generator, top_p)
-                out.append(token)
-                times.append(time.perf_counter() - started)
-                done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
-                wrong = await self._check(done)
-                if wrong is None:
-                    shown = self._show(out, shown, len(input_ids) + reserved, on_token)
-                    if not done and stop is not None and stop():
-                        done, wrong = True, await self._check(True)  # the rest is checked before the reply ends
-                        shown = self._show(out, shown, len(input_ids) + reserved, on_token) if wrong is None else shown
-                if wrong is not None:
-                    rewinds += 1
-                    if rewinds > MAX_REWINDS:
-                        raise RouteError(f"results failed verification {rewinds} times in one generation")
-                    hidden = await self._rewind(wrong, input_ids, out, reserved, soft)
-                    del times[len(out):]
-                    continue
-                if done:
-                    break
-                hidden = await self._step(model.embed([token]))
-                self.tokens.append(token)
+            with model.lockstep.member(adapter) as member:  # in step with the client's other sessions
+                while True:
+                    await member.turn()
+                    token = await model.next_token(hidden, temperature, generator, top_p)
+                    out.append(token)
+                    times.append(time.perf_counter() - started)
+                    done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
+                    wrong = await self._check(done)
+                    if wrong is None:
+                        shown = self._show(out, shown, len(input_ids) + reserved, on_token)
+                        if not done and stop is not None and stop():
+                            done, wrong = True, await self._check(True)  # the rest is checked before the reply ends
+                            shown = self._show(out, shown, len(input_ids) + reserved, on_token) if wrong is None else shown
+                    if wrong is not None:
+                        rewinds += 1
+                        if rewinds > MAX_REWINDS:
+                            raise RouteError(f"results failed verification {rewinds} times in one generation")
+                        hidden = await self._rewind(wrong, input_ids, out, reserved, soft)
+                        del times[len(out):]
+                        continue
+                    if done:
+                        break
+                    hidden = await self._step(model.embed([token]))
+                    self.tokens.append(token)
             t2 = time.perf_counter()
         except BaseException:
             await self.close()  # a step may be half done: the peers' caches are no longer known

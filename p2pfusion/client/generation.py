@@ -20,6 +20,7 @@ from p2pfusion.client.head import screened_head
 from p2pfusion.client.head_batch import HeadBatcher
 from p2pfusion.client.health import PeerHealth, load_observed
 from p2pfusion.client.local_layers import LocalLayers, swarm_part
+from p2pfusion.client.lockstep import Lockstep
 from p2pfusion.client.routing import find_route, session_limit
 from p2pfusion.client.sampling import choose_token
 from p2pfusion.client.session import InferenceSession
@@ -85,6 +86,7 @@ class RemoteCausalLM:
         self._reads: dict[str, asyncio.Task] = {}  # swarm reads in flight, shared by sessions opening together
         # greedy tokens through bounds on the head's logits (client/head.py); False: not built yet
         self._heads: HeadBatcher | None | bool = False if screen_head else None
+        self.lockstep = Lockstep()  # decoding sessions step together (client/lockstep.py)
 
     @property
     def tokenizer(self):

@@ -1,10 +1,10 @@
 """Greedy next tokens of the sessions that want one at the same moment, as one head computation.
 
-A client running many sessions gets their results in bursts (a peer runs their steps as one
-batch and sends the results one after another); each session would then run the LM head on its
-own, a matrix-vector product over the whole vocabulary each. Requests made in the same turn of
-the event loop are answered together instead: one final norm and one float32 matrix product for
-all of them, which also sends their next steps to the first peer together, to be batched there.
+A client running many sessions releases a cohort's members together (client/lockstep.py); each
+would then run the LM head on its own, a matrix-vector product over the whole vocabulary each.
+Requests made in the same turn of the event loop are answered together instead: one final norm
+and one float32 matrix product for all of them, which also sends their next steps to the first
+peer together, to be batched there.
 Fewer than BATCHED_ROWS requests go through the float16 screen one by one, which costs less then.
 """
 

@@ -8,12 +8,15 @@ second, so a relaying peer's claims divide only its own share. Each unit is char
 time its jobs took (`used`, with an entry for the connection and one for the unit). So:
 - the least-served unit goes first, not the oldest job: a client sending prefill after prefill,
   or running hundreds of sessions, falls behind the others instead of ahead of them;
-- after a big job (more than URGENT_ROWS positions), small ones waiting go next: a decode step
-  waits for at most one prefill chunk;
+- of equally served units' jobs, decode steps (one position per sequence) go before prefill chunks
+  and training steps, and after one of those, decode steps waiting go next: a decode step waits
+  for at most one chunk, however many sessions of its client are starting at the same moment;
 - the first job's decode steps of the same stage and kind (`key`) run in the same batch with
   those of other units, least served first, taking turns, at most SOURCE_ROWS positions per
   unit; a unit more than `slack` seconds of compute ahead of the first's does not join, so a
-  heavy client cannot slow everyone's batch down by filling it (it runs its own in between).
+  heavy client cannot slow everyone's batch down by filling it (it runs its own in between);
+- decode steps of sessions that ran as one batch last time start as soon as all of them that are
+  still open are back (`all_back`), instead of after the scheduler's gathering moment.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
-URGENT_ROWS = 32  # a job of at most this many positions (batch x tokens) is a decode step
 MAX_BATCH_ROWS = 64  # positions in one batched forward
 SOURCE_ROWS = 16  # positions of one unit in one batched forward
 SLACK = 0.25  # seconds of compute a unit may be ahead of the first job's and still share its batch
@@ -43,6 +45,7 @@ class Pending:
     rows: int
     order: int  # arrival
     key: Hashable | None = None  # jobs with the same key may run as one batch; None: alone
+    prefill: bool = False  # many positions per sequence: a prefill chunk or a training step
 
 
 def served(unit: str, used: Mapping[str, float]) -> tuple[float, float]:
@@ -53,16 +56,16 @@ def served(unit: str, used: Mapping[str, float]) -> tuple[float, float]:
 def next_batch(
     pending: list[Pending],
     used: Mapping[str, float],
-    after_big: bool,
+    after_prefill: bool,
     max_rows: int = MAX_BATCH_ROWS,
     source_rows: int = SOURCE_ROWS,
     slack: float = SLACK,
 ) -> list[int]:
     """Indices into `pending` of the jobs to run next, together (the first leads). `used`: compute
-    seconds so far per connection and per unit (absent: 0); `after_big`: the last job was big."""
-    urgent = [i for i, job in enumerate(pending) if job.rows <= URGENT_ROWS]
-    candidates = urgent if after_big and urgent else range(len(pending))
-    lead = min(candidates, key=lambda i: (served(pending[i].source, used), pending[i].rows > URGENT_ROWS, pending[i].order))
+    seconds so far per connection and per unit (absent: 0); `after_prefill`: the last job was a prefill."""
+    decode = [i for i, job in enumerate(pending) if not job.prefill]
+    candidates = decode if after_prefill and decode else range(len(pending))
+    lead = min(candidates, key=lambda i: (served(pending[i].source, used), pending[i].prefill, pending[i].order))
     key = pending[lead].key
     if key is None:
         return [lead]
@@ -80,6 +83,19 @@ def next_batch(
             rows += job.rows
             per_unit[job.source] = own
     return chosen
+
+
+def all_back(waiting: list[Hashable | None], mates: Mapping[Hashable, frozenset]) -> bool:
+    """Whether waiting decode steps may start before the gathering moment (peer/scheduler.py):
+    each is a step of a session that last ran in a batch of two or more (`mates`: an open session
+    -> the sessions of its last batch), and every session of those batches still open has a step
+    waiting. A client in lockstep (client/lockstep.py) sends such bursts."""
+    present = set(waiting)
+    for member in waiting:
+        batch = mates.get(member)
+        if batch is None or len(batch) < 2 or any(m in mates and m not in present for m in batch):
+            return False
+    return True
 
 
 def within(unit: str, lead: str, used: Mapping[str, float], slack: float = SLACK) -> bool:

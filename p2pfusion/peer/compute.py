@@ -48,16 +48,16 @@ class StageCompute:
         t0 = time.perf_counter()
         batch, tokens = inputs.hidden.shape[:2]
         if session.training:
-            out = await self._run(session, batch * tokens, self._train_forward, session, inputs)
+            out = await self._run(session, batch * tokens, True, self._train_forward, session, inputs)
         elif self._batchable(session, inputs) and not self._runs_inline(session, batch):
             out = await self.scheduler.run_batched(
-                session.client, batch, id(session.stage), self._infer_batch, (session, inputs)
+                session.client, batch, id(session.stage), self._infer_batch, (session, inputs), session.session_id
             )
         else:
             outs, a = [], 0
             while a < tokens:
                 b = min(tokens, a + max(1, self._chunk_rows() // batch))
-                outs.append(await self._run(session, batch * (b - a), self._infer, session, inputs, a, b))
+                outs.append(await self._run(session, batch * (b - a), tokens > 1, self._infer, session, inputs, a, b))
                 a = b
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         return out, time.perf_counter() - t0
@@ -85,15 +85,15 @@ class StageCompute:
         t0 = time.perf_counter()
         try:
             rows = inputs.hidden.shape[0] * inputs.hidden.shape[1]
-            result = await self._run(session, rows, self._backward, session, inputs, grad)
+            result = await self._run(session, rows, True, self._backward, session, inputs, grad)
         finally:
             self.release_graph(inputs)
         return result, time.perf_counter() - t0
 
-    async def _run(self, session: Session, rows: int, fn, *args):
+    async def _run(self, session: Session, rows: int, prefill: bool, fn, *args):
         if self._runs_inline(session, rows):
             return fn(*args)
-        return await self.scheduler.run(session.client, rows, fn, *args)
+        return await self.scheduler.run(session.client, rows, prefill, fn, *args)
 
     def _runs_inline(self, session: Session, rows: int) -> bool:
         """A decoding step of a token or two runs on the event loop's own thread: handing it to the
@@ -109,6 +109,9 @@ class StageCompute:
         threads = self._decode_threads if rows <= SMALL_STEP_ROWS else self._all_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+
+    def forget(self, session: Session) -> None:
+        self.scheduler.forget(session.session_id)
 
     def keep_graph(self, inputs: StepInputs) -> None:
         if inputs.graph is not None and self.graph_bytes + inputs.graph.nbytes > self.training_memory:

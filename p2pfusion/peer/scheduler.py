@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from p2pfusion.peer.batching import URGENT_ROWS, Pending, connection_of, next_batch
+from p2pfusion.peer.batching import Pending, all_back, connection_of, next_batch
 
 BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their results, in order
 # While sessions share the peer, an idle thread takes a decode step a moment after it arrives,
@@ -25,6 +25,8 @@ BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their resu
 # are still being read then, or a moment behind, and join its batch. The moment is a quarter of a
 # batch's recent time, at most 8 ms (on this project's CPUs: 8 sessions went from 16 to 22
 # tokens/s through 3 peers, docs/benchmarks.md); on a GPU, where a step takes a few ms, less.
+# Steps of sessions that ran together last time do not wait that long: their batch starts as soon
+# as all of its sessions still open are back, which in lockstep (client/lockstep.py) is at once.
 GATHER_SHARE = 0.25
 MAX_GATHER = 0.008
 
@@ -42,6 +44,7 @@ class _Job:
     work: Any  # a callable (run alone), or an item for `runner`
     future: asyncio.Future
     runner: BatchRunner | None = None  # runs the items of the jobs batched with this one
+    member: Hashable | None = None  # the session a batchable job is a step of
 
 
 class Scheduler:
@@ -49,12 +52,13 @@ class Scheduler:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self._jobs: list[_Job] = []
         self._busy = False
-        self._after_big = False
+        self._after_prefill = False
         self._used: dict[str, float] = {}  # compute seconds per connection and per fairness unit
         # what a connection (or a unit within one) that was away starts from: it banks no credit
         self._floors = {True: 0.0, False: 0.0}  # by "is a connection"
         self._gathering: asyncio.TimerHandle | None = None
         self._batch_seconds = 0.0  # a batched forward's time, lately
+        self._mates: dict[Hashable, frozenset] = {}  # an open session -> those it last ran a batch with
         self._order = itertools.count()
         self.stats = Stats()
         self.observe: Callable[[list[Pending], float], None] = lambda jobs, seconds: None  # each run (peer.metrics)
@@ -67,20 +71,26 @@ class Scheduler:
     def queued(self) -> int:
         return len(self._jobs)
 
-    async def run(self, source: str, rows: int, fn: Callable, *args) -> Any:
-        """`fn(*args)` on the compute thread, alone."""
-        return await self._submit(Pending(source, rows, next(self._order)), functools.partial(fn, *args))
+    async def run(self, source: str, rows: int, prefill: bool, fn: Callable, *args) -> Any:
+        """`fn(*args)` on the compute thread, alone; `prefill`: it has many positions per sequence."""
+        return await self._submit(Pending(source, rows, next(self._order), prefill=prefill), functools.partial(fn, *args))
 
-    async def run_batched(self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any) -> Any:
-        """`runner([item, ...])`'s result for `item`, run with the other items of `key` that are
-        ready at the same time (jobs of one key share one runner)."""
-        return await self._submit(Pending(source, rows, next(self._order), key), item, runner)
+    async def run_batched(
+        self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any, member: Hashable
+    ) -> Any:
+        """`runner([item, ...])`'s result for `item`, a step of session `member`, run with the other
+        items of `key` that are ready at the same time (jobs of one key share one runner)."""
+        return await self._submit(Pending(source, rows, next(self._order), key), item, runner, member)
 
-    async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None = None) -> Any:
+    def forget(self, member: Hashable) -> None:
+        """A session ended: the sessions it ran with no longer wait for its steps."""
+        self._mates.pop(member, None)
+
+    async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None = None, member=None) -> Any:
         loop = asyncio.get_running_loop()
-        job = _Job(pending, work, loop.create_future(), runner)
+        job = _Job(pending, work, loop.create_future(), runner, member)
         self._jobs.append(job)
-        if runner is None or self._busy:
+        if runner is None or self._busy or all_back([job.member for job in self._jobs], self._mates):
             self._dispatch()
         elif self._gathering is None:
             self._gathering = loop.call_later(min(MAX_GATHER, GATHER_SHARE * self._batch_seconds), self._gathered)
@@ -91,11 +101,14 @@ class Scheduler:
         self._dispatch()
 
     def _dispatch(self) -> None:
+        if self._gathering is not None:
+            self._gathering.cancel()
+            self._gathering = None
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
         if self._busy or not self._jobs:
             return
         self._level_up({job.pending.source for job in self._jobs})
-        chosen = next_batch([job.pending for job in self._jobs], self._used, self._after_big)
+        chosen = next_batch([job.pending for job in self._jobs], self._used, self._after_prefill)
         batch = [self._jobs[i] for i in chosen]
         taken = set(chosen)
         self._jobs = [job for i, job in enumerate(self._jobs) if i not in taken]
@@ -133,7 +146,9 @@ class Scheduler:
         self.observe([job.pending for job in batch], seconds)
         if batched:
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
-        self._after_big = not batched and batch[0].pending.rows > URGENT_ROWS
+            mates = frozenset(job.member for job in batch)
+            self._mates.update((job.member, mates) for job in batch)
+        self._after_prefill = batch[0].pending.prefill
         self.stats.steps += len(batch)
         if len(batch) > 1:
             self.stats.batches += 1

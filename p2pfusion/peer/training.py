@@ -95,7 +95,7 @@ class ReplicaService:
         return not records
 
     async def _compute(self, fn, *args):
-        return await self.scheduler.run(OPTIMIZER, 1 << 20, fn, *args)
+        return await self.scheduler.run(OPTIMIZER, 1 << 20, True, fn, *args)
 
     async def _handle(self, reader, writer, source: Source) -> None:
         try:

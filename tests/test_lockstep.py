@@ -1,0 +1,95 @@
+"""A client's decoding sessions in lockstep (client/lockstep.py): the pure policy, and the cohorts'
+behaviour on an event loop, with sessions whose steps take their own times."""
+
+import asyncio
+
+import pytest
+
+from p2pfusion.client import lockstep as lockstep_module
+from p2pfusion.client.lockstep import Lockstep, arrived, cohort_for
+
+
+def test_cohort_policy():
+    assert cohort_for([], 2) is None and cohort_for([2], 2) is None  # a second cohort once the first is a pair
+    assert cohort_for([1], 2) == 0  # two sessions step together
+    assert cohort_for([3, 2], 2) == 1 and cohort_for([2, 2], 2) == 0  # then the smallest
+    assert arrived(4, 4) == "go" and arrived(1, 1) == "go"
+    assert arrived(4, 3) == "straggler"  # most are back: the rest come from the same batch
+    assert arrived(4, 2) == "cycle" and arrived(4, 1) == "cycle"  # out of step: wait for them to come round
+
+
+TOGETHER = 0.004  # seconds: turns this close were released together (tasks resume one by one)
+
+
+async def _run(lockstep: Lockstep, swarm_times: dict[str, list[float]], start: dict[str, float], log: list):
+    """Each session takes its turns; between turns its step takes the next of its times."""
+    loop = asyncio.get_running_loop()
+
+    async def session(name: str):
+        await asyncio.sleep(start.get(name, 0.0))
+        with lockstep.member() as member:
+            for seconds in swarm_times[name]:
+                await member.turn()
+                log.append((round(loop.time(), 3), name))
+                await asyncio.sleep(seconds)
+
+    await asyncio.gather(*(session(name) for name in swarm_times))
+
+
+def _moments(log: list, names: set[str]) -> list[float]:
+    return [t for t, name in log if name in names]
+
+
+def test_sessions_fall_in_step_and_a_late_one_is_not_waited_for_long():
+    lockstep = Lockstep(cohorts=2)
+    log = []
+    # a, c and e start at once; b, d and f a moment apart; all steps take 40 ms, but f's third
+    # step takes 200 ms (a failover, say)
+    times = {name: [0.04] * 12 for name in "abcdef"}
+    times["f"][2] = 0.2
+    start = {"b": 0.01, "d": 0.025, "f": 0.03}
+    asyncio.run(_run(lockstep, times, start, log))
+    turns = {name: _moments(log, {name}) for name in "abcdef"}
+    # by their sixth turn, everyone is in one of two cohorts, whose members go at the same moment
+    groups = []
+    for name in sorted("abcde", key=lambda name: turns[name][5]):
+        if groups and turns[name][5] - turns[min(groups[-1])][5] < TOGETHER:
+            groups[-1].add(name)
+        else:
+            groups.append({name})
+    groups[[i for i, group in enumerate(groups) if len(group) == 2][0]].add("f")  # f is late: see below
+    assert sorted(map(len, groups)) == [3, 3], groups
+    # f's cohort-mates went on without it after a short wait, not the 200 ms of its slow step...
+    mates = next(group for group in groups if "f" in group) - {"f"}
+    for name in mates:
+        gaps = [b - a for a, b in zip(turns[name], turns[name][1:])]
+        assert max(gaps[5:]) < 0.15, (name, gaps)
+    # ...and f fell in step with them again once back (one turn behind: it ends alone)
+    theirs = _moments(log, mates)
+    back = [moment for moment in turns["f"][3:] if moment <= max(theirs)]
+    assert len(back) >= 4 and all(min(abs(t - moment) for t in theirs) < TOGETHER for moment in back), (turns["f"], theirs)
+    assert not lockstep._cohorts  # all left
+
+
+def test_a_session_alone_never_waits(monkeypatch):
+    monkeypatch.setattr(lockstep_module, "STRAGGLER", 1.0)
+    monkeypatch.setattr(lockstep_module, "FIRST_CYCLE", 1.0)
+    lockstep = Lockstep(cohorts=2)
+    log = []
+    asyncio.run(_run(lockstep, {"a": [0.0] * 20, "b": [0.01] * 5}, {}, log))
+    assert log[-1][0] - log[0][0] < 0.5  # two sessions: a cohort each, no waiting
+
+
+@pytest.mark.parametrize("leaving", [True, False])
+def test_a_member_that_leaves_does_not_hold_its_cohort(leaving):
+    lockstep = Lockstep(cohorts=1)
+    log = []
+    # c stops after two turns (its generation ended, or raised); the others go on at their pace
+    times = {"a": [0.02] * 10, "b": [0.02] * 10, "c": [0.02] * (2 if leaving else 10)}
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_run(lockstep, times, {}, log))
+    finally:
+        loop.close()
+    moments = _moments(log, {"a"})
+    assert moments[-1] - moments[0] < 9 * 0.02 + 0.1
