@@ -16,6 +16,7 @@ from p2pfusion.peer.batching import (
     SOURCE_ROWS,
     Pending,
     all_back,
+    charged,
     fairness_unit,
     next_batch,
     served,
@@ -76,6 +77,15 @@ def test_next_batch_is_fair_and_bounded(raw, used, after_prefill):
             continue
         own = sum(j.rows for j in batch if j.source == job.source) + job.rows
         assert rows + job.rows > MAX_BATCH_ROWS or own > SOURCE_ROWS
+
+
+def test_decoding_is_charged_less_than_prefilling():
+    """Between a client decoding and one flooding prefills, both wanting more than half the peer,
+    the decoding one gets more: its steps count half their time."""
+    decode, prefill = Pending("ip:a", 4, 0, "s"), Pending("ip:b", 256, 1, prefill=True)
+    assert charged(decode, 1.0) == 0.5 and charged(prefill, 1.0) == 1.0
+    used = {"ip:a": charged(decode, 1.2), "ip:b": charged(prefill, 0.8)}  # a ran longer, b is charged more
+    assert next_batch([decode, prefill], used, after_prefill=False) == [0]
 
 
 def test_sources_take_turns_and_each_is_capped():

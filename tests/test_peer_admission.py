@@ -10,6 +10,7 @@ from p2pfusion.dht.records import PeerState
 from p2pfusion.net import messages as m
 from p2pfusion.peer.admission import ROOM_RETRY, SHARE_RETRY, Budget, Reservation, kv_bytes_per_token, refusal
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
+from p2pfusion.peer.memory import TRIM_AFTER, TRIM_EVERY, trim_due
 from p2pfusion.peer.relay import screen
 from tests.policy_records import rec
 
@@ -97,3 +98,13 @@ def test_the_directory_looks_a_missing_peer_up_again_at_most_once_a_second():
     assert asyncio.run(scenario()) == [None] * 50
     assert lookups == [0.0, 1.5, 7.0]
 
+
+
+def test_the_heap_is_trimmed_once_in_a_while_as_sessions_end():
+    """A trim holds up the compute thread's allocations: sessions expiring together set off one
+    trim, not one each, while others are open; the last one to close always trims."""
+    big = TRIM_AFTER
+    assert not trim_due(0, 0, 100.0)
+    assert trim_due(1, 0, 0.0)  # none left open
+    assert trim_due(big, 3, TRIM_EVERY) and not trim_due(big, 3, TRIM_EVERY / 2)
+    assert not trim_due(big - 1, 3, 100.0)

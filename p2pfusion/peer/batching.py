@@ -27,6 +27,10 @@ from dataclasses import dataclass
 MAX_BATCH_ROWS = 64  # positions in one batched forward
 SOURCE_ROWS = 16  # positions of one unit in one batched forward
 SLACK = 0.25  # seconds of compute a unit may be ahead of the first job's and still share its batch
+# a decode step's compute counts for this much of its time: between a client decoding and one
+# prefilling, both wanting more than half the peer, the decoding one gets two thirds, so a flood
+# of prefills slows others' tokens by less than half (docs/benchmarks.md)
+DECODE_CHARGE = 0.5
 UNIT_SEPARATOR = ">"
 
 
@@ -46,6 +50,11 @@ class Pending:
     order: int  # arrival
     key: Hashable | None = None  # jobs with the same key may run as one batch; None: alone
     prefill: bool = False  # many positions per sequence: a prefill chunk or a training step
+
+
+def charged(job: Pending, seconds: float) -> float:
+    """The compute seconds a unit is charged for `seconds` of its job's run."""
+    return seconds if job.prefill else DECODE_CHARGE * seconds
 
 
 def served(unit: str, used: Mapping[str, float]) -> tuple[float, float]:

@@ -26,6 +26,10 @@ KV_RESERVE_TOKENS = 4096  # tokens of KV cache each layer keeps room for (at mos
 # a step's activations (a peer of 9 float32 layers of 64 MiB grew by about 100 MiB over its first steps)
 SERVING_RESERVE = 128 << 20
 TRIM_AFTER = 16 << 20  # bytes of sessions freed before the heap is trimmed (or none left open)
+# seconds between trims while sessions stay open: a trim walks the heap, holding up the compute
+# thread's allocations, and a client whose idle sessions expire together (each reserving more
+# than TRIM_AFTER) had set off one per session, slowing others' tokens 2.5x (docs/benchmarks.md)
+TRIM_EVERY = 10.0
 
 
 def layers_that_fit(budget: int, used: int, layer_bytes: int, kv_token_bytes: int, max_length: int) -> int:
@@ -67,6 +71,14 @@ def _malloc_trim():
 
 
 _TRIM = _malloc_trim()
+
+
+def trim_due(freed: int, open_sessions: int, since_trim: float) -> bool:
+    """Whether to trim the heap now: `freed` bytes of sessions ended since the last trim,
+    `since_trim` seconds ago."""
+    if not freed:
+        return False
+    return open_sessions == 0 or (freed >= TRIM_AFTER and since_trim >= TRIM_EVERY)
 
 
 def trim() -> None:

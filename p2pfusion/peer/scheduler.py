@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from p2pfusion.peer.batching import Pending, all_back, connection_of, next_batch
+from p2pfusion.peer.batching import Pending, all_back, charged, connection_of, next_batch
 
 BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their results, in order
 # While sessions share the peer, an idle thread takes a decode step a moment after it arrives,
@@ -135,7 +135,7 @@ class Scheduler:
         for job in jobs:
             for key in {job.source, connection_of(job.source)}:
                 floor = self._floors[connection_of(key) == key]
-                self._used[key] = self._used.get(key, floor) + seconds * job.rows / rows
+                self._used[key] = self._used.get(key, floor) + charged(job, seconds * job.rows / rows)
         if len(self._used) > 1024:  # a key at its floor is the same as a new one: forget it
             self._used = {k: v for k, v in self._used.items() if v > self._floors[connection_of(k) == k]}
 

@@ -77,6 +77,7 @@ class StageServer:
         self.results = ResultStreams()
         self.compute = StageCompute(decode_threads, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
         self._freed = 0  # bytes of sessions ended since the heap was last trimmed
+        self._trimmed = 0.0  # when it was, on the monotonic clock
         self.draining = False
         self.training_run: str | None = None  # a training replica's run: it serves that run's micro-batches only
         self._backward_ran: Callable[[], None] = lambda: None
@@ -242,8 +243,8 @@ class StageServer:
             await send_quietly(session.downstream, m.Close())
             session.downstream.close()
         self._freed += session.reserved
-        if self._freed >= memory.TRIM_AFTER or (self._freed and not self.sessions):
-            self._freed = 0
+        if memory.trim_due(self._freed, len(self.sessions), time.monotonic() - self._trimmed):
+            self._freed, self._trimmed = 0, time.monotonic()
             await asyncio.to_thread(memory.trim)
 
     async def _connect_onward(self, session: Session, msg: m.Open) -> None:
