@@ -120,13 +120,15 @@ def test_a_batch_starts_early_only_when_all_its_open_sessions_are_back(batches, 
         mates.update((member, batch) for member in batch)
     for member in ended:
         mates.pop(member, None)
-    early = all_back(sorted(waiting), mates)
-    last_batches = [mates.get(member) for member in waiting]
-    complete = all(
-        batch is not None and len(batch) >= 2 and all(m in waiting or m not in mates for m in batch)
-        for batch in last_batches
-    )
-    assert early == complete
+    waiting = sorted(waiting)
+    early = all_back(waiting, mates)
+    if any(member not in mates or len(mates[member]) < 2 for member in waiting):
+        assert not early  # a session that ran alone, or never, waits the gathering moment
+        return
+    missing = {m for member in waiting for m in mates[member] if m in mates} - set(waiting)
+    assert early == (not missing)
+    if missing:  # a session that ended is not waited for
+        assert all_back(waiting, {k: v for k, v in mates.items() if k not in missing})
 
 
 def test_the_scheduler_runs_a_burst_at_once_and_waits_for_strangers(monkeypatch):

@@ -51,13 +51,15 @@ def test_sessions_fall_in_step_and_a_late_one_is_not_waited_for_long():
     asyncio.run(_run(lockstep, times, start, log))
     turns = {name: _moments(log, {name}) for name in "abcdef"}
     # by their sixth turn, everyone is in one of two cohorts, whose members go at the same moment
-    groups = []
+    groups = []  # a to e by the moment of their sixth turn, split where moments differ
+    previous = None
     for name in sorted("abcde", key=lambda name: turns[name][5]):
-        if groups and turns[name][5] - turns[min(groups[-1])][5] < TOGETHER:
-            groups[-1].add(name)
-        else:
-            groups.append({name})
-    groups[[i for i, group in enumerate(groups) if len(group) == 2][0]].add("f")  # f is late: see below
+        if previous is None or turns[name][5] - turns[previous][5] >= TOGETHER:
+            groups.append(set())
+        groups[-1].add(name)
+        previous = name
+    assert sorted(map(len, groups)) == [2, 3], groups
+    next(group for group in groups if len(group) == 2).add("f")  # f is late: see below
     assert sorted(map(len, groups)) == [3, 3], groups
     # f's cohort-mates went on without it after a short wait, not the 200 ms of its slow step...
     mates = next(group for group in groups if "f" in group) - {"f"}
@@ -71,17 +73,26 @@ def test_sessions_fall_in_step_and_a_late_one_is_not_waited_for_long():
     assert not lockstep._cohorts  # all left
 
 
-def test_a_session_alone_never_waits(monkeypatch):
+def test_a_session_alone_never_waits_and_a_pair_steps_together(monkeypatch):
+    # timers that would show: a wait for anyone would cost a second
     monkeypatch.setattr(lockstep_module, "STRAGGLER", 1.0)
     monkeypatch.setattr(lockstep_module, "FIRST_CYCLE", 1.0)
-    lockstep = Lockstep(cohorts=2)
     log = []
-    asyncio.run(_run(lockstep, {"a": [0.0] * 20, "b": [0.01] * 5}, {}, log))
-    assert log[-1][0] - log[0][0] < 0.5  # two sessions: a cohort each, no waiting
+    asyncio.run(_run(Lockstep(cohorts=2), {"a": [0.0] * 20}, {}, log))
+    assert log[-1][0] - log[0][0] < 0.2
+    log = []
+    asyncio.run(_run(Lockstep(cohorts=2), {"a": [0.0] * 10, "b": [0.01] * 10}, {}, log))
+    a, b = _moments(log, {"a"}), _moments(log, {"b"})
+    # one cohort: from b's first turn on, a waits for b at each turn (a took its first alone)
+    assert all(min(abs(x - y) for x in a) < TOGETHER for y in b[:-1]), (a, b)  # b ends a turn after a
+    assert a[-1] - a[0] > 7 * 0.01  # its own steps take no time: it went at b's pace
 
 
 @pytest.mark.parametrize("leaving", [True, False])
-def test_a_member_that_leaves_does_not_hold_its_cohort(leaving):
+def test_a_member_that_leaves_does_not_hold_its_cohort(monkeypatch, leaving):
+    # a member still counted after it left would hold the others a second at each turn
+    monkeypatch.setattr(lockstep_module, "STRAGGLER", 1.0)
+    monkeypatch.setattr(lockstep_module, "FIRST_CYCLE", 1.0)
     lockstep = Lockstep(cohorts=1)
     log = []
     # c stops after two turns (its generation ended, or raised); the others go on at their pace
@@ -93,3 +104,4 @@ def test_a_member_that_leaves_does_not_hold_its_cohort(leaving):
         loop.close()
     moments = _moments(log, {"a"})
     assert moments[-1] - moments[0] < 9 * 0.02 + 0.1
+    assert not lockstep._cohorts

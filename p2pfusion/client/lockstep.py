@@ -60,6 +60,7 @@ class _Cohort:
     members: set = field(default_factory=set)
     waiting: dict = field(default_factory=dict)  # member -> the future its turn waits on
     released: float | None = None  # when it last went
+    released_by: int = 0  # how many members it had then
     cycle: float | None = None  # seconds between its releases, lately
     timer: asyncio.TimerHandle | None = None
     timing: str = ""  # what the timer waits for: "straggler" or "cycle"
@@ -78,10 +79,11 @@ class _Cohort:
             self.timer = None
         now = time.perf_counter()
         if 2 * len(self.waiting) > len(self.members):  # the cohort's body, not members falling in
-            if self.released is not None:
+            # a gap across a change of members is no cycle: a joiner may come in just behind
+            if self.released is not None and self.released_by == len(self.members):
                 gap = now - self.released
                 self.cycle = gap if self.cycle is None else 0.7 * self.cycle + 0.3 * gap
-            self.released = now
+            self.released, self.released_by = now, len(self.members)
         waiting, self.waiting = self.waiting, {}
         for future in waiting.values():
             if not future.done():
