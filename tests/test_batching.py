@@ -2,6 +2,8 @@
 sessions with their own caches against each session run alone on transformers' own DynamicCache."""
 
 import asyncio
+import os
+import threading
 
 import pytest
 import torch
@@ -172,6 +174,28 @@ def test_the_scheduler_runs_a_burst_at_once_and_waits_for_strangers(monkeypatch)
     assert batches[:2] == [["a", "b"], ["a", "b"]]
     assert first >= 0.35 and stranger >= 0.35  # the gathering moment
     assert burst < 0.3 and alone < 0.3, (burst, alone)  # b's arrival (or its end) completes the burst
+
+
+def test_bulk_work_runs_at_a_lower_os_priority_than_decode_steps():
+    """Where processes share cores (peers on one host, a volunteer's own work), a prefill chunk or a
+    training step yields the CPU to latency-bound work; the steps still run one at a time."""
+
+    def priority() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def main():
+        scheduler = scheduler_module.Scheduler()
+        try:
+            return await asyncio.gather(
+                scheduler.run("ip:a", 1, False, priority), scheduler.run("ip:a", 64, True, priority),
+                scheduler.run("ip:b", 1, False, priority),
+            )
+        finally:
+            scheduler.shutdown()
+
+    decode, bulk, again = asyncio.run(main())
+    assert decode == again == priority()
+    assert bulk == min(19, decode + scheduler_module.BULK_NICE)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -10,6 +10,7 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
 from p2pfusion.net.clients import ClientKey, Source, client_of
 from p2pfusion.net.framing import encode
+from p2pfusion.net.identity import Identity, PeerProofs, peer_of
 
 PEER = "QmPeerA"
 
@@ -33,11 +34,28 @@ def test_a_proof_names_its_client_and_holds_only_for_its_peer():
     assert Source("peer:Qm").fairness == "peer:Qm"
 
 
+def test_a_peer_proof_names_its_peer_id_and_holds_only_for_the_peer_dialled():
+    identity, other = Identity.create(), Identity.create()
+    proofs = PeerProofs(identity)
+    assert peer_of(proofs.proof(PEER), PEER) == identity.peer_id
+    assert peer_of(None, PEER) is None
+    with pytest.raises(RouteError, match="does not hold"):
+        peer_of(proofs.proof(PEER), "QmPeerB")
+    forged = {"key": other.public_key_proto, "sig": proofs.proof(PEER)["sig"]}
+    with pytest.raises(RouteError, match="does not hold"):
+        peer_of(forged, PEER)
+    for bad in ("x", {"key": b"k"}, {"key": b"k" * 900, "sig": b"s"}, {"key": b"\xff\xff", "sig": b"s"}):
+        with pytest.raises(RouteError):
+            peer_of(bad, PEER)
+
+
 async def _hellos():
-    """The source a peer's handler saw for each of three direct connections (None: no handler ran):
-    the client's own, one with a proof made for another peer, one with no proof."""
+    """The source a peer's handler saw for each of five direct connections (None: no handler ran):
+    the client's own, another peer's, one with a client proof made for another peer, one with a
+    peer proof made for another peer, one with no proof."""
     peer = await join_swarm([])
     client = await join_swarm(await peer.maddrs(), client_mode=True)
+    other = await join_swarm(await peer.maddrs())
     seen: asyncio.Queue = asyncio.Queue()
 
     async def handler(reader, writer, source):
@@ -51,8 +69,12 @@ async def _hellos():
     try:
         await client.transport.open(peer.peer_id, [addr], "/test/hello")
         sources.append(await asyncio.wait_for(seen.get(), 5))
+        await other.transport.open(peer.peer_id, [addr], "/test/hello")
+        sources.append(await asyncio.wait_for(seen.get(), 5))
+        assert sources[-1].peer == other.peer_id
         for hello, wait in (
             ({"protocol": "/test/hello", "client": ClientKey().proof("QmSomeoneElse")}, 1.0),
+            ({"protocol": "/test/hello", "peer": PeerProofs(other.transport.identity).proof("QmSomeoneElse")}, 1.0),
             ({"protocol": "/test/hello"}, 5.0),
         ):
             _, writer = await asyncio.open_connection(host, int(port), ssl=client.transport._client_tls)
@@ -66,11 +88,13 @@ async def _hellos():
         return sources
     finally:
         await client.shutdown()
+        await other.shutdown()
         await peer.shutdown()
 
 
 def test_peers_see_each_clients_key_and_drop_false_proofs():
-    signed, forged, anonymous = uvloop.run(_hellos())
-    assert signed.address == "ip:127.0.0.1" and signed.client is not None
-    assert forged is None  # a proof for another peer: the connection is closed before any handler
+    signed, relay, forged, forged_peer, anonymous = uvloop.run(_hellos())
+    assert signed.address == "ip:127.0.0.1" and signed.client is not None and signed.peer is None
+    assert relay.client is not None  # a peer proves its id (checked above) and a client key
+    assert forged is None and forged_peer is None  # proofs for another peer: closed before any handler
     assert anonymous == Source("ip:127.0.0.1")  # old clients: the address is their share

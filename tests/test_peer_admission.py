@@ -8,7 +8,15 @@ from hypothesis import strategies as st
 
 from p2pfusion.dht.records import PeerState
 from p2pfusion.net import messages as m
-from p2pfusion.peer.admission import ROOM_RETRY, SHARE_RETRY, Budget, Reservation, kv_bytes_per_token, refusal
+from p2pfusion.peer.admission import (
+    ROOM_RETRY,
+    SHARE_RETRY,
+    Budget,
+    Reservation,
+    caps_source,
+    kv_bytes_per_token,
+    refusal,
+)
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
 from p2pfusion.peer.memory import TRIM_AFTER, TRIM_EVERY, trim_due
 from p2pfusion.peer.relay import screen
@@ -58,6 +66,18 @@ def test_admitted_sessions_never_pass_the_budget_the_cap_or_a_share(held, source
     assert refused is None or (refused.retry_after is None) == (mib > 50)
 
 
+def test_a_listed_peer_relaying_the_layers_before_speaks_for_its_client():
+    relay, client = "ip:10.0.0.2", "ip:198.51.100.7"
+    assert caps_source(relay, client, (0, 10), 10) == client  # the hop just before this one
+    assert caps_source(relay, client, (4, 12), 10) == client  # it overlaps this hop's layers
+    assert caps_source(relay, "peer:QmC", (0, 10), 10) == "peer:QmC"
+    assert caps_source(relay, None, (0, 10), 10) == relay  # its own session
+    assert caps_source(relay, client, None, 10) == relay  # not listed: a client's claim, ignored
+    assert caps_source(relay, client, (0, 8), 10) == relay  # not the layers before this hop
+    assert caps_source(relay, client, (10, 20), 10) == relay  # a peer of this hop's own layers
+    assert caps_source(relay, "relay:QmX", (0, 10), 10) == relay  # not a client's address
+
+
 def test_a_relay_passes_only_claims_about_the_hops_after_it():
     after = {"B", "C"}
     for honest in (m.Error("bad step", step=3), m.Error("C died", failed_peer="C"), m.Leaving("B"),
@@ -87,6 +107,7 @@ def test_the_directory_looks_a_missing_peer_up_again_at_most_once_a_second():
         directory = HopDirectory(lookup, clock=lambda: now[0])
         assert await directory("B") == ["b:1"]
         assert await directory("C") is None  # offline: not dialled
+        assert await directory.serves("B") == (0, 2) and directory.listed("B") and not directory.listed("C")
         results = await asyncio.gather(*(directory(f"X{i}") for i in range(50)))
         now[0] = 1.5
         assert await directory("Y") is None

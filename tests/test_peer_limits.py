@@ -327,3 +327,38 @@ def test_an_open_dials_only_addresses_the_next_hop_announced(tiny_models):
     assert refused["failed_peer"] == stranger and "has no record" in refused["message"]
     assert attempts == []
     assert tokens == _reference(source)
+
+
+async def _relayed_shares(source):
+    # 512 B of KV per token per 2-layer stage: 1 MiB a 2048-token session, 10 of them a client's share
+    async with running_peers(source, [(0, 2), (2, 4)], cache_memory=20 * MIB) as (peers, maddrs):
+        first, last = peers
+        client = await join_swarm(maddrs, client_mode=True)
+        attacker = await join_swarm(maddrs, client_mode=True)
+        held = []
+        while True:  # over libp2p: a source of its own at the first hop, as another machine would be
+            opened = await _open_raw(attacker, peers, f"fill{len(held)}", max_length=2048, direct=False)
+            if opened[-1]["kind"] != "ack":
+                refused = opened[-1]
+                break
+            held.append(opened)
+        at_last_hop = {s.source for s in last.server.sessions.values()}
+        # the first hop relays everyone's sessions from one address: the client's are its own there
+        tokens = await asyncio.wait_for(_generate(client, source), 60)
+        # a claim about whom it relays, from someone the swarm does not list, counts for nothing
+        reader, writer = await _stream(attacker, first, direct=False)
+        claim = m.Open("claim", 64, [_hop(p) for p in peers], compression="none", origin="ip:203.0.113.7")
+        await write_frame(writer, m.to_header(claim))
+        claimed = (await read_frame(reader))[0]
+        await attacker.shutdown()
+        await client.shutdown()
+    return len(held), refused, at_last_hop, f"peer:{attacker.peer_id}", tokens, claimed
+
+
+def test_a_relayed_session_counts_against_its_client_not_the_relay(tiny_models):
+    source = tiny_models["llama"]
+    count, refused, at_last_hop, attacker, tokens, claimed = uvloop.run(_relayed_shares(source))
+    assert count == 10 and refused["code"] == m.BUSY and "one client may hold at most 10 MiB" in refused["message"]
+    assert at_last_hop == {attacker}
+    assert tokens == _reference(source)
+    assert claimed["code"] == m.BUSY, claimed  # still the attacker's own share, full

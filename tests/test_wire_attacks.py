@@ -14,15 +14,8 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import probe
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
 from p2pfusion.net.identity import client_context
-from p2pfusion.net.transport import (
-    DIRECT_TIMEOUT,
-    HELLO_TIMEOUT,
-    MAX_DIALED,
-    MAX_PER_SOURCE,
-    ConnectionCaps,
-    connection_budget,
-    source_of,
-)
+from p2pfusion.net.clients import MAX_PER_SOURCE, ConnectionCaps, connection_budget, source_of
+from p2pfusion.net.transport import DIRECT_TIMEOUT, HELLO_TIMEOUT, MAX_DIALED
 from tests.conftest import reference_model
 from tests.frames import raw_frame
 from tests.swarm import peers_in_background
@@ -203,6 +196,15 @@ def test_caps_per_source_and_in_total():
     assert caps.admit("peer:b") and not caps.admit("ip:c")  # the node is full
     caps.release("ip:a")
     assert caps.admit("ip:c") and caps.open == {"ip:a": 1, "peer:b": 1, "ip:c": 1}
+    # a listed peer's streams leave its address's share, and have no cap of their own but the total
+    caps = ConnectionCaps(per_source=1, total=4)
+    for _ in range(3):
+        assert caps.admit("ip:a") and not caps.admit("ip:a")
+        caps.transfer("ip:a", "relay:Qm")
+    assert caps.admit("ip:a") and not caps.admit("ip:c")
+    assert caps.open == {"relay:Qm": 3, "ip:a": 1} and caps.open_total == 4
+    caps.release("relay:Qm")
+    assert caps.open == {"relay:Qm": 2, "ip:a": 1}
     assert connection_budget(20_000) == 4096 and connection_budget(1024) == 384 and connection_budget(10) == 1
 
 

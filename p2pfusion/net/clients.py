@@ -5,11 +5,18 @@ because addresses are scarce. Several clients may share one address (a host, a N
 test), so each client also signs its connections' hello with a key of its own for the run, bound
 to the peer it dials; the peer schedules compute fairly per client. Keys cost nothing to make, so
 they never raise what an address may hold.
+
+A peer that relays sessions to the next hop dials from one address for all the clients it serves.
+It proves its peer id in the hello (net.identity); where the swarm lists that peer, its streams
+count against it, not against its address, and each session it relays against the client it names
+(peer.admission), so one client's sessions at the first hop do not shut the others out further on.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import resource
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidSignature
@@ -17,6 +24,80 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from p2pfusion.errors import RouteError
+
+# streams one source holds open at once: a client's 64 sessions (the peer's default share per
+# client) hold up to two each (the session's, and at its last hop its results), plus pings
+MAX_PER_SOURCE = 160
+MAX_CONNECTIONS = 4096  # streams held open at once in all, unless the fd limit calls for fewer
+FD_RESERVE = 256  # descriptors kept for everything else: model files, the DHT, the daemon's socket
+
+
+def connection_budget(fd_limit: int) -> int:
+    """How many incoming streams a node holds at once, given its file descriptor limit: each may
+    cost two descriptors (a hop opens the next hop for each session it serves)."""
+    return max(1, min(MAX_CONNECTIONS, (fd_limit - FD_RESERVE) // 2))
+
+
+def _fd_limit() -> int:
+    """The process's descriptor limit, first raised to the hard limit where the soft one is lower
+    (often 1,024, which would leave a peer room for a few hundred streams)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        wanted = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+        if wanted > soft:
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+                soft = wanted
+            except (ValueError, OSError):  # a container may forbid it: the caps follow the lower limit
+                pass
+    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
+
+
+class ConnectionCaps:
+    """Which incoming streams to admit: at most `per_source` open from one source, and `total` in all."""
+
+    def __init__(self, per_source: int = MAX_PER_SOURCE, total: int | None = None):
+        self.per_source = per_source
+        self.total = connection_budget(_fd_limit()) if total is None else total
+        self.open: dict[str, int] = {}
+        self.open_total = 0
+
+    def admit(self, source: str) -> bool:
+        if self.open_total >= self.total or self.open.get(source, 0) >= self.per_source:
+            return False
+        self.open[source] = self.open.get(source, 0) + 1
+        self.open_total += 1
+        return True
+
+    def transfer(self, source: str, relay: str) -> None:
+        """An admitted stream from `source` counts against `relay` from now on, with no cap of its
+        own below the total: a listed peer relays the sessions of many clients, not only its own."""
+        self.release(source)
+        self.open[relay] = self.open.get(relay, 0) + 1
+        self.open_total += 1
+
+    def release(self, source: str) -> None:
+        left = self.open[source] - 1
+        if left:
+            self.open[source] = left
+        else:
+            del self.open[source]
+        self.open_total -= 1
+
+
+def source_of(peername: object) -> str:
+    """The source a direct connection counts against: its IPv4 address, or its IPv6 /64 (one host's
+    usual allocation, so rotating addresses within it gains nothing)."""
+    try:
+        ip = ipaddress.ip_address(str(peername[0]).split("%")[0])  # type: ignore[index]
+    except (TypeError, IndexError, ValueError):
+        return "ip:unknown"
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.version == 6:
+        return f"ip:{ipaddress.ip_network((ip, 64), strict=False)}"
+    return f"ip:{ip}"
+
 
 HELLO_PREFIX = b"p2pfusion client hello for "
 MAX_KEY_BYTES = 128  # a P-256 public key in DER is 91
@@ -27,6 +108,7 @@ MAX_SIG_BYTES = 80  # an ECDSA P-256 signature in DER is at most 72
 class Source:
     address: str  # "ip:<address>" for direct connections, "peer:<id>" for libp2p streams: the unit of caps
     client: str | None = None  # "key:<digest>" when the client proved a key: the unit of fair scheduling
+    peer: str | None = None  # the peer id the stream proved (libp2p's own, or a direct hello's proof)
 
     @property
     def fairness(self) -> str:
@@ -57,16 +139,21 @@ class ClientKey:
         return {"key": self._public, "sig": self._proofs[peer_id]}
 
 
+def proof_parts(entry: object, name: str, max_key: int, max_sig: int) -> tuple[bytes, bytes]:
+    """The key and signature of a hello's proof entry `name`, checked for form (RouteError if not)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("key"), bytes) or not isinstance(entry.get("sig"), bytes):
+        raise RouteError(f"hello: `{name}` must hold a key and a signature")
+    if len(entry["key"]) > max_key or len(entry["sig"]) > max_sig:
+        raise RouteError(f"hello: the {name}'s key or signature is too long")
+    return entry["key"], entry["sig"]
+
+
 def client_of(entry: object, peer_id: str) -> str | None:
     """The client a hello's `client` entry proves, for a connection to `peer_id`; None without one.
     Raises RouteError for a malformed or false proof."""
     if entry is None:
         return None
-    if not isinstance(entry, dict) or not isinstance(entry.get("key"), bytes) or not isinstance(entry.get("sig"), bytes):
-        raise RouteError("hello: `client` must hold a key and a signature")
-    key, sig = entry["key"], entry["sig"]
-    if len(key) > MAX_KEY_BYTES or len(sig) > MAX_SIG_BYTES:
-        raise RouteError("hello: the client's key or signature is too long")
+    key, sig = proof_parts(entry, "client", MAX_KEY_BYTES, MAX_SIG_BYTES)
     try:
         public = serialization.load_der_public_key(key)
         if not isinstance(public, ec.EllipticCurvePublicKey):

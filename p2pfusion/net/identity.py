@@ -27,6 +27,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from p2pfusion.errors import RouteError
+from p2pfusion.net.clients import proof_parts
 
 SIGNED_KEY_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")  # libp2p's, from its TLS spec
 SIGNATURE_PREFIX = b"libp2p-tls-handshake:"
@@ -217,6 +218,48 @@ def verify_peer(certificate_der: bytes | None, expected_peer_id: str) -> None:
         identity_key.verify(signature, SIGNATURE_PREFIX + spki, padding.PKCS1v15(), hashes.SHA256())
     except InvalidSignature as exc:
         raise IdentityError(f"peer {expected_peer_id}'s certificate is not signed by its identity key") from exc
+
+
+PEER_HELLO_PREFIX = b"p2pfusion peer hello for "
+MAX_PEER_KEY_BYTES = 800  # an RSA-4096 public key in libp2p's protobuf is about 550
+MAX_PEER_SIG_BYTES = 512  # RSA-4096
+
+
+class PeerProofs:
+    """A peer's proofs of its id for the hellos of its direct connections: a signature by its
+    identity key over the dialled peer's id (a proof made for one peer is worth nothing at another)."""
+
+    def __init__(self, identity: Identity):
+        self._identity = identity
+        self._made: dict[str, bytes] = {}
+
+    def proof(self, peer_id: str) -> dict:
+        if peer_id not in self._made:
+            if len(self._made) > 4096:
+                self._made.clear()
+            self._made[peer_id] = self._identity.private_key.sign(
+                PEER_HELLO_PREFIX + peer_id.encode(), padding.PKCS1v15(), hashes.SHA256()
+            )
+        return {"key": self._identity.public_key_proto, "sig": self._made[peer_id]}
+
+
+def peer_of(entry: object, peer_id: str) -> str | None:
+    """The peer id a hello's `peer` entry proves, for a connection to `peer_id`; None without one.
+    Raises RouteError for a malformed or false proof."""
+    if entry is None:
+        return None
+    key, sig = proof_parts(entry, "peer", MAX_PEER_KEY_BYTES, MAX_PEER_SIG_BYTES)
+    try:
+        proto = crypto_pb2.PublicKey.FromString(key)
+        if proto.key_type != crypto_pb2.KeyType.RSA:
+            raise IdentityError("hello: the peer's key is not an RSA key")
+        public = serialization.load_der_public_key(proto.data)
+        if not isinstance(public, rsa.RSAPublicKey):
+            raise IdentityError("hello: the peer's key is not an RSA key")
+        public.verify(sig, PEER_HELLO_PREFIX + peer_id.encode(), padding.PKCS1v15(), hashes.SHA256())
+    except (ValueError, TypeError, DecodeError, InvalidSignature) as exc:
+        raise IdentityError(f"hello: the peer's proof does not hold: {exc!r}") from None
+    return peer_id_of(key)
 
 
 # The extension's value is DER: SEQUENCE { publicKey OCTET STRING, signature OCTET STRING }.

@@ -68,6 +68,9 @@ class Open:
     # set by a hop relaying the session: the client it came from, so the next hops share compute
     # fairly among the clients within that hop's own share (a claim, which divides only its share)
     client: str | None = None
+    # set by a hop relaying the session: the address the first hop saw the client at, which the
+    # next hops count the session's caps against where the swarm lists the relaying peer
+    origin: str | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,7 @@ def from_header(header: dict[str, Any]) -> Any:
             client_link=_link(header.get("client_link"), "client_link"),
             batch=_typed(header.get("batch", 1), int, "batch"),
             client=None if header.get("client") is None else _short(header.get("client"), "client"),
+            origin=None if header.get("origin") is None else _short(header.get("origin"), "origin"),
         )
     if cls is Subscribe:
         return Subscribe(session_id=_short(header.get("session_id"), "session_id"))

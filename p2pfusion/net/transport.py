@@ -14,7 +14,6 @@ import asyncio
 import dataclasses
 import ipaddress
 import logging
-import resource
 import socket
 import ssl
 import tempfile
@@ -25,9 +24,9 @@ from pathlib import Path
 from hivemind.p2p import P2P, PeerID
 
 from p2pfusion.errors import RouteError
-from p2pfusion.net.clients import ClientKey, Source, client_of
+from p2pfusion.net.clients import ClientKey, ConnectionCaps, Source, client_of, source_of
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
-from p2pfusion.net.identity import Identity, client_context, verify_peer
+from p2pfusion.net.identity import Identity, PeerProofs, client_context, peer_of, verify_peer
 from p2pfusion.net.secret import SwarmSecret
 
 log = logging.getLogger(__name__)
@@ -41,75 +40,10 @@ DIRECT_TIMEOUT = 3.0  # a direct dial slower than this is treated as unreachable
 DIRECT_RETRY = 60.0  # after a failed direct dial, use libp2p to that peer for this long
 MAX_DIALED = 3  # addresses of one peer dialed (at once) before falling back to libp2p
 HELLO_TIMEOUT = DIRECT_TIMEOUT  # for the TLS handshake and the hello together, as a dialer allows
-HELLO_LIMITS = FrameLimits(header=1 << 10, body=0)
-# streams one source holds open at once: a client's 64 sessions (the peer's default share per
-# client) hold up to two each (the session's, and at its last hop its results), plus pings
-MAX_PER_SOURCE = 160
-MAX_CONNECTIONS = 4096  # streams held open at once in all, unless the fd limit calls for fewer
-FD_RESERVE = 256  # descriptors kept for everything else: model files, the DHT, the daemon's socket
+HELLO_LIMITS = FrameLimits(header=2 << 10, body=0)  # a peer's hello carries its RSA key and a signature
 REFUSAL_LOG_INTERVAL = 10.0
 # Large enough that a 128-token hidden state arrives without pausing the socket half-way.
 STREAM_LIMIT = 8 << 20
-
-
-def connection_budget(fd_limit: int) -> int:
-    """How many incoming streams a node holds at once, given its file descriptor limit: each may
-    cost two descriptors (a hop opens the next hop for each session it serves)."""
-    return max(1, min(MAX_CONNECTIONS, (fd_limit - FD_RESERVE) // 2))
-
-
-def _fd_limit() -> int:
-    """The process's descriptor limit, first raised to the hard limit where the soft one is lower
-    (often 1,024, which would leave a peer room for a few hundred streams)."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
-        wanted = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
-        if wanted > soft:
-            try:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-                soft = wanted
-            except (ValueError, OSError):  # a container may forbid it: the caps follow the lower limit
-                pass
-    return 1 << 20 if soft == resource.RLIM_INFINITY else soft
-
-
-class ConnectionCaps:
-    """Which incoming streams to admit: at most `per_source` open from one source, and `total` in all."""
-
-    def __init__(self, per_source: int = MAX_PER_SOURCE, total: int | None = None):
-        self.per_source = per_source
-        self.total = connection_budget(_fd_limit()) if total is None else total
-        self.open: dict[str, int] = {}
-        self.open_total = 0
-
-    def admit(self, source: str) -> bool:
-        if self.open_total >= self.total or self.open.get(source, 0) >= self.per_source:
-            return False
-        self.open[source] = self.open.get(source, 0) + 1
-        self.open_total += 1
-        return True
-
-    def release(self, source: str) -> None:
-        left = self.open[source] - 1
-        if left:
-            self.open[source] = left
-        else:
-            del self.open[source]
-        self.open_total -= 1
-
-
-def source_of(peername: object) -> str:
-    """The source a direct connection counts against: its IPv4 address, or its IPv6 /64 (one host's
-    usual allocation, so rotating addresses within it gains nothing)."""
-    try:
-        ip = ipaddress.ip_address(str(peername[0]).split("%")[0])  # type: ignore[index]
-    except (TypeError, IndexError, ValueError):
-        return "ip:unknown"
-    if ip.version == 6 and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if ip.version == 6:
-        return f"ip:{ipaddress.ip_network((ip, 64), strict=False)}"
-    return f"ip:{ip}"
 
 
 class Transport:
@@ -128,6 +62,9 @@ class Transport:
         self._serving: set[asyncio.Task] = set()  # the accept loop and direct connections (tasks are weakly held)
         self._client_tls = client_context()
         self.client_key = ClientKey()  # signs our hellos, so peers tell this node's streams from others' at its address
+        self._peer_proofs = None if identity is None else PeerProofs(identity)  # a peer's hellos prove its id too
+        # whether a peer id is one the swarm lists: its streams are a relay's, not one client's (set by a peer)
+        self.listed: Callable[[str], bool] = lambda peer_id: False
         self._direct_failed: dict[str, float] = {}
         self.caps = ConnectionCaps()
         self._refused = 0  # connections refused since the last log line about them
@@ -224,18 +161,20 @@ class Transport:
         self._handlers[protocol] = handler
 
         async def via_libp2p(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            source = f"peer:{info.peer_id.to_base58()}"
+            peer = info.peer_id.to_base58()
+            source = f"peer:{peer}"
             if not self.caps.admit(source):
                 writer.close()
                 self._log_refusal(source)
                 return
+            counted = self._counted(source, peer)
             try:
                 if self.secret is None or await self._proven(reader, protocol, source):
-                    await handler(reader, writer, Source(source))
+                    await handler(reader, writer, Source(source, peer=peer))
                 else:
                     writer.close()
             finally:
-                self.caps.release(source)
+                self.caps.release(counted)
 
         await self.p2p.add_binary_stream_handler(protocol, via_libp2p)
 
@@ -287,17 +226,28 @@ class Transport:
     async def _serve_direct(self, conn: socket.socket, source: str) -> None:
         """TLS, the hello, then the protocol's handler, which owns the stream; the connection counts
         against the caps until the handler returns."""
+        counted = source
         try:
             stream = await self._hello(conn, source)
             if stream is not None:
-                handler, client, reader, writer = stream
-                await handler(reader, writer, Source(source, client))
+                handler, proven, reader, writer = stream
+                counted = self._counted(source, proven.peer)
+                await handler(reader, writer, proven)
         finally:
-            self.caps.release(source)
+            self.caps.release(counted)
 
-    async def _hello(self, conn: socket.socket, source: str) -> tuple[Handler, str | None, asyncio.StreamReader, asyncio.StreamWriter] | None:
-        """The handshake and hello within HELLO_TIMEOUT, the handler the hello names and the client
-        it proves; None (the connection closed) when any of them fails."""
+    def _counted(self, source: str, peer: str | None) -> str:
+        """What an admitted stream counts against: a listed peer's streams relay many clients'
+        sessions, so they count against that peer instead of its address's cap."""
+        if peer is None or not self.listed(peer):
+            return source
+        relay = f"relay:{peer}"
+        self.caps.transfer(source, relay)
+        return relay
+
+    async def _hello(self, conn: socket.socket, source: str) -> tuple[Handler, Source, asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """The handshake and hello within HELLO_TIMEOUT, the handler the hello names and the source
+        with the client and peer it proves; None (the connection closed) when any of them fails."""
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=STREAM_LIMIT)
         protocol = asyncio.StreamReaderProtocol(reader)
@@ -320,17 +270,17 @@ class Transport:
             if secret is not None and not secret.admits(header.get("secret"), self.peer_id, str(name), source):
                 raise RouteError("no proof of the swarm secret")
             handler = self._handlers.get(name) if isinstance(name, str) else None
-            client = client_of(header.get("client"), self.peer_id)
+            proven = Source(source, client_of(header.get("client"), self.peer_id), peer_of(header.get("peer"), self.peer_id))
             if handler is None:
                 await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {str(name)[:60]!r}"})
-        except (TimeoutError, EOFError, FrameError, OSError, RouteError) as exc:  # OSError: TLS and socket errors
+        except (TimeoutError, EOFError, FrameError, OSError, RouteError) as exc:  # OSError: TLS and socket errors; RouteError: false proofs
             log.debug("dropped a direct connection before its hello: %r", exc)
             handler = None
         if handler is None:
             if writer is not None:
                 writer.close()
             return None
-        return handler, client, reader, writer
+        return handler, proven, reader, writer
 
     async def open(self, peer_id: str, data_addrs: list[str], protocol: str, timeout: float = 15.0) -> Stream:
         """A stream to `protocol` on `peer_id`: direct when one of its first MAX_DIALED addresses
@@ -380,6 +330,8 @@ class Transport:
             writer.close()
             raise
         hello = {"protocol": protocol, "client": self.client_key.proof(peer_id)}
+        if self._peer_proofs is not None:
+            hello["peer"] = self._peer_proofs.proof(peer_id)
         if self.secret is not None:
             hello["secret"] = self.secret.proof(peer_id, protocol)
         writer.writelines(encode(hello))

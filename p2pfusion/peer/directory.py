@@ -1,4 +1,6 @@
-"""Where a peer may dial its next hop: only the data addresses in that hop's own signed record.
+"""What a peer knows of the others from their signed records: where it may dial its next hop, and
+which peers are listed (their streams relay other clients' sessions).
+
 
 An `Open` names the next hop's addresses, but whoever sent it chose them: a peer that dialled
 them would scan ports for anyone. So it dials the route's addresses only where the next hop's own
@@ -26,21 +28,35 @@ def dial_addrs(named: list[str], announced: list[str], limit: int = MAX_DIALED) 
 
 
 class HopDirectory:
-    """Peer id -> its announced data addresses (None: no record), from the model's records, kept
-    FRESH seconds; a miss looks again, at most once per RETRY seconds, one lookup at a time."""
+    """The model's records, kept FRESH seconds; a miss looks again, at most once per RETRY seconds,
+    one lookup at a time. Offline peers are left out."""
 
     def __init__(self, lookup: Callable[[], Awaitable[list[PeerRecord]]], clock: Callable[[], float] = time.monotonic):
         self._lookup = lookup
         self._clock = clock
-        self._addrs: dict[str, list[str]] = {}
+        self._records: dict[str, PeerRecord] = {}
         self._fetched = -float("inf")
         self._pending: asyncio.Task | None = None
 
     async def __call__(self, peer_id: str) -> list[str] | None:
+        """The peer's announced data addresses; None: it has no record."""
+        record = await self._record(peer_id)
+        return None if record is None else list(record.data_addrs)
+
+    async def serves(self, peer_id: str) -> tuple[int, int] | None:
+        """The layers the peer's record says it serves; None: it has no record."""
+        record = await self._record(peer_id)
+        return None if record is None else (record.start, record.end)
+
+    async def _record(self, peer_id: str) -> PeerRecord | None:
         age = self._clock() - self._fetched
-        if age > FRESH or (peer_id not in self._addrs and age > RETRY):
+        if age > FRESH or (peer_id not in self._records and age > RETRY):
             await self._refresh()
-        return self._addrs.get(peer_id)
+        return self._records.get(peer_id)
+
+    def listed(self, peer_id: str) -> bool:
+        """Whether the last lookup found the peer's record (without waiting for a new one)."""
+        return peer_id in self._records
 
     async def _refresh(self) -> None:
         if self._pending is None:
@@ -51,5 +67,5 @@ class HopDirectory:
         finally:
             if self._pending is task and task.done():
                 self._pending = None
-        self._addrs = {r.peer_id: list(r.data_addrs) for r in records if r.state != PeerState.OFFLINE}
+        self._records = {r.peer_id: r for r in records if r.state != PeerState.OFFLINE}
         self._fetched = self._clock()

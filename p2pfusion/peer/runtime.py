@@ -99,6 +99,7 @@ class Peer:
         self.reload_seconds_per_layer = 1.0  # replaced by the measured time of this peer's own loads
         self.links = LinkBook(swarm.transport)
         self.directory = HopDirectory(lambda: swarm.lookup(self.model, options.train))  # where next hops may be dialled
+        swarm.transport.listed = self.directory.listed  # listed peers' streams relay many clients' sessions
         self._checked: dict[str, tuple[float, bool]] = {}
         self.metrics = StageMetrics(self.model)
         self.exporter: Exporter | None = None

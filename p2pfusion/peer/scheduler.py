@@ -1,7 +1,11 @@
-"""The stage's one compute thread, and the queue in front of it.
+"""The stage's compute, one step at a time, and the queue in front of it.
 
-Steps run on one thread (torch already uses every core per op, and an adapter hooks the shared
-module for the length of its step). `peer.batching.next_batch` decides what runs next and which
+Steps run one at a time (torch already uses every core per op, and an adapter hooks the shared
+module for the length of its step). Decode steps run on one thread; prefill chunks and training
+steps on another, of lower OS priority: where processes share cores (several peers on one host, a
+volunteer's own work), bulk work yields the CPU to latency-bound work, and on a machine of its
+own it loses nothing (docs/benchmarks.md, Many users at once: the normal clients' p99 beside a
+prefill flood went from about 2x to 1.6-1.7x). `peer.batching.next_batch` decides what runs next and which
 decode steps run together; this module keeps the queue, charges each source the compute time
 its jobs took, and hands results back to the sessions' tasks.
 """
@@ -11,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import os
+import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +35,15 @@ BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their resu
 # as all of its sessions still open are back, which in lockstep (client/lockstep.py) is at once.
 GATHER_SHARE = 0.25
 MAX_GATHER = 0.008
+BULK_NICE = 10  # how much lower the OS priority of prefill chunks and training steps is (Linux nice)
+
+
+def _lower_priority() -> None:
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + BULK_NICE)
+    except (OSError, AttributeError):  # not Linux, or not allowed: bulk work keeps the usual priority
+        pass
 
 
 @dataclass
@@ -50,6 +65,7 @@ class _Job:
 class Scheduler:
     def __init__(self):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
+        self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-bulk", initializer=_lower_priority)
         self._jobs: list[_Job] = []
         self._busy = False
         self._after_prefill = False
@@ -115,7 +131,8 @@ class Scheduler:
         runner = batch[0].runner
         work = batch[0].work if runner is None else functools.partial(runner, [job.work for job in batch])
         self._busy = True
-        done = asyncio.get_running_loop().run_in_executor(self._thread, work)
+        executor = self._bulk if batch[0].pending.prefill else self._thread
+        done = asyncio.get_running_loop().run_in_executor(executor, work)
         done.add_done_callback(functools.partial(self._finish, batch, runner is not None, time.perf_counter()))
 
     def _level_up(self, waiting: set[str]) -> None:
@@ -169,3 +186,4 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True)
+        self._bulk.shutdown(wait=True)

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import torch
 
@@ -28,10 +28,10 @@ from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
 from p2pfusion.net.transport import Transport
 from p2pfusion.peer import memory
-from p2pfusion.peer.admission import Reservation, refusal
+from p2pfusion.peer.admission import Reservation, caps_source, refusal
 from p2pfusion.peer.batching import fairness_unit
 from p2pfusion.peer.compute import StageCompute
-from p2pfusion.peer.directory import dial_addrs
+from p2pfusion.peer.directory import HopDirectory, dial_addrs
 from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits, token_bytes
 from p2pfusion.peer.metrics import StageMetrics
 from p2pfusion.peer.relay import relay, screen
@@ -43,8 +43,6 @@ log = logging.getLogger(__name__)
 
 ONWARD_WAIT = 30.0  # for the next hop's answer to an Open (it answers once the rest of the route is up)
 
-Directory = Callable[[str], Awaitable[list[str] | None]]  # peer id -> its announced data addresses
-
 
 class StageServer:
     def __init__(
@@ -52,7 +50,7 @@ class StageServer:
         stage: Stage,
         transport: Transport,
         links: LinkBook,
-        directory: Directory,
+        directory: HopDirectory,
         limits: ServingLimits,
         model_layers: int,
         max_length: int = 2048,
@@ -199,6 +197,13 @@ class StageServer:
         if self.draining:
             raise PeerFailed("open: this peer is leaving the swarm", self.peer_id)
 
+    async def _caps_source(self, msg: m.Open, source: Source) -> str:
+        """The address the session's caps count against (peer.admission.caps_source)."""
+        if msg.origin is None or source.peer is None:
+            return source.address
+        start = msg.route[0].start if msg.route else self.stage.start
+        return caps_source(source.address, msg.origin, await self.directory.serves(source.peer), start)
+
     def _admit(self, msg: m.Open, source: str) -> int:
         """The bytes the session reserves; PeerBusy (with a retry hint) when the budget, the session
         cap or this source's share lacks room now, RequestError when the session never fits here."""
@@ -214,11 +219,12 @@ class StageServer:
 
     async def _serve_session(self, msg: m.Open, reader, writer, source: Source) -> None:
         self._check_open(msg)
+        caps = await self._caps_source(msg, source)
         session = Session(
             msg.session_id, msg.max_length, self.stage, writer, msg.purpose,
             compression=msg.compression if msg.compression != AUTO else self.compression,
-            upstream_link=msg.link, source=source.address, client=fairness_unit(source.fairness, msg.client), batch=msg.batch,
-            reserved=self._admit(msg, source.address),
+            upstream_link=msg.link, source=caps, client=fairness_unit(source.fairness, msg.client), batch=msg.batch,
+            reserved=self._admit(msg, caps),
             downstream_peers=frozenset(hop.peer_id for hop in msg.route[1:]),
             frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.max_length),
         )
@@ -260,7 +266,9 @@ class StageServer:
             session.use_link(await self.links.get(nxt.peer_id, addrs))
         try:
             reader, writer = await self.transport.open(nxt.peer_id, addrs, m.PROTOCOL)
-            onward = dataclasses.replace(msg, route=msg.route[1:], link=session.link, client=session.end_client)
+            onward = dataclasses.replace(
+                msg, route=msg.route[1:], link=session.link, client=session.end_client, origin=session.source
+            )
             await write_frame(writer, m.to_header(onward))
             async with asyncio.timeout(ONWARD_WAIT):
                 header, _ = await read_frame(reader, self.streams.first)

@@ -57,7 +57,9 @@ class Session:
     adapter: StageAdapter | None = None
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
-    source: str = "unknown"  # the address that sent the Open ("ip:<address>" or "peer:<id>"): what it may hold
+    # the address its caps count against ("ip:<address>" or "peer:<id>"): the sender's, or, relayed
+    # by a listed peer, the client's as its first hop saw it (peer.admission.caps_source)
+    source: str = "unknown"
     client: str = "unknown"  # whose share of compute its steps use (peer.batching.fairness_unit)
     batch: int = 1  # the most sequences an inference step may carry
     reserved: int = 0  # bytes of this peer's session memory held for it (see peer.admission)
