@@ -25,7 +25,7 @@ from p2pfusion.peer.batching import (
     within,
 )
 
-# clients of their own connections, and two clients that an upstream peer relays
+# clients of their own connections, and two clients one connection names (claims not vouched for)
 SOURCES = ["ip:a", "ip:b/key:c", fairness_unit("peer:d", "ip:x"), fairness_unit("peer:d", "ip:y")]
 USED_KEYS = SOURCES + ["peer:d"]
 TOLERANCE = 1e-5  # relative L2, per session: float32 sums in another order in a padded batch
@@ -103,7 +103,7 @@ def test_sources_take_turns_and_each_is_capped():
     prefill = [Pending("ip:a", 256, 0, prefill=True), Pending("ip:b", 1, 1, "s")]
     assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=False) == [0]  # the less served goes first...
     assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=True) == [1]  # ...but not twice in a row
-    # an upstream peer's relayed clients share its one share: the heavy one among them falls behind
+    # the clients a connection names share its one share: the heavy one among them falls behind
     relayed = [Pending(fairness_unit("peer:p", "ip:heavy"), 1, 0, "s"), Pending(fairness_unit("peer:p", "ip:light"), 1, 1, "s")]
     used = {"peer:p": 3.0, fairness_unit("peer:p", "ip:heavy"): 2.9, fairness_unit("peer:p", "ip:light"): 0.1}
     assert next_batch(relayed, used, False) == [1]

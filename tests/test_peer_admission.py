@@ -13,9 +13,9 @@ from p2pfusion.peer.admission import (
     SHARE_RETRY,
     Budget,
     Reservation,
-    caps_source,
     kv_bytes_per_token,
     refusal,
+    vouched_origin,
 )
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
 from p2pfusion.peer.memory import TRIM_AFTER, TRIM_EVERY, trim_due
@@ -67,15 +67,15 @@ def test_admitted_sessions_never_pass_the_budget_the_cap_or_a_share(held, source
 
 
 def test_a_listed_peer_relaying_the_layers_before_speaks_for_its_client():
-    relay, client = "ip:10.0.0.2", "ip:198.51.100.7"
-    assert caps_source(relay, client, (0, 10), 10) == client  # the hop just before this one
-    assert caps_source(relay, client, (4, 12), 10) == client  # it overlaps this hop's layers
-    assert caps_source(relay, "peer:QmC", (0, 10), 10) == "peer:QmC"
-    assert caps_source(relay, None, (0, 10), 10) == relay  # its own session
-    assert caps_source(relay, client, None, 10) == relay  # not listed: a client's claim, ignored
-    assert caps_source(relay, client, (0, 8), 10) == relay  # not the layers before this hop
-    assert caps_source(relay, client, (10, 20), 10) == relay  # a peer of this hop's own layers
-    assert caps_source(relay, "relay:QmX", (0, 10), 10) == relay  # not a client's address
+    client = "ip:198.51.100.7"
+    assert vouched_origin(client, (0, 10), 10) == client  # the hop just before this one
+    assert vouched_origin(client, (4, 12), 10) == client  # it overlaps this hop's layers
+    assert vouched_origin("peer:QmC", (0, 10), 10) == "peer:QmC"
+    assert vouched_origin(None, (0, 10), 10) is None  # its own session
+    assert vouched_origin(client, None, 10) is None  # not listed: a client's claim, ignored
+    assert vouched_origin(client, (0, 8), 10) is None  # not the layers before this hop
+    assert vouched_origin(client, (10, 20), 10) is None  # a peer of this hop's own layers
+    assert vouched_origin("relay:QmX", (0, 10), 10) is None  # not a client's address
 
 
 def test_a_relay_passes_only_claims_about_the_hops_after_it():

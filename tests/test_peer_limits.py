@@ -342,9 +342,14 @@ async def _relayed_shares(source):
                 refused = opened[-1]
                 break
             held.append(opened)
-        at_last_hop = {s.source for s in last.server.sessions.values()}
+        at_last_hop = {(s.source, s.client) for s in last.server.sessions.values()}
         # the first hop relays everyone's sessions from one address: the client's are its own there
         tokens = await asyncio.wait_for(_generate(client, source), 60)
+        model = RemoteCausalLM(source, client)
+        session = await model.open_session(16)
+        await session.step(model.embed(IDS))
+        units = [{s.client for s in peer.server.sessions.values() if s.client.startswith("ip:")} for peer in peers]
+        await session.close()
         # a claim about whom it relays, from someone the swarm does not list, counts for nothing
         reader, writer = await _stream(attacker, first, direct=False)
         claim = m.Open("claim", 64, [_hop(p) for p in peers], compression="none", origin="ip:203.0.113.7")
@@ -352,13 +357,14 @@ async def _relayed_shares(source):
         claimed = (await read_frame(reader))[0]
         await attacker.shutdown()
         await client.shutdown()
-    return len(held), refused, at_last_hop, f"peer:{attacker.peer_id}", tokens, claimed
+    return len(held), refused, at_last_hop, f"peer:{attacker.peer_id}", tokens, units, claimed
 
 
 def test_a_relayed_session_counts_against_its_client_not_the_relay(tiny_models):
     source = tiny_models["llama"]
-    count, refused, at_last_hop, attacker, tokens, claimed = uvloop.run(_relayed_shares(source))
+    count, refused, at_last_hop, attacker, tokens, units, claimed = uvloop.run(_relayed_shares(source))
     assert count == 10 and refused["code"] == m.BUSY and "one client may hold at most 10 MiB" in refused["message"]
-    assert at_last_hop == {attacker}
+    assert at_last_hop == {(attacker, attacker)}  # its caps and its share of compute, as at the first hop
+    assert len(units[0]) == 1 and units[0] == units[1]  # the client is charged as one unit at every hop
     assert tokens == _reference(source)
     assert claimed["code"] == m.BUSY, claimed  # still the attacker's own share, full

@@ -186,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument(
         "--sessions-per-client", type=whole_number(1), default=64, metavar="N",
-        help="sessions one client address (or upstream peer) may hold open here",
+        help="sessions one client address may hold open here (relayed ones count against their client)",
     )
     peer.add_argument(
         "--idle-timeout", type=whole_number(1), default=120, metavar="SECONDS",

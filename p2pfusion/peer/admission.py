@@ -5,7 +5,7 @@ A session reserves, when it opens, all the KV cache it may grow to (`batch` x `m
 stage's bytes per token), and gives it back when it ends. So a peer never promises more memory
 than its budget, and one source (one client's address) cannot take it all: it gets at most
 `source_share` of the budget and `source_sessions` sessions. A session a listed peer relays counts
-against the address its first hop saw the client at (`caps_source`), not the relaying peer's. A refusal is "busy",
+against the address its first hop saw the client at (`vouched_origin`), not the relaying peer's. A refusal is "busy",
 not a fault: the client tries another peer, or this one after the refusal's `retry_after`. A
 session larger than any source may ever reserve here is no busy peer's: it never fits.
 """
@@ -81,13 +81,13 @@ def refusal(budget: Budget, held: list[Reservation], request: Reservation) -> Re
     return None
 
 
-def caps_source(connection: str, origin: str | None, relay_serves: tuple[int, int] | None, start: int) -> str:
-    """What a session's caps count against. `connection`: the address that sent its Open; `origin`:
-    the client's address as the Open names it; `relay_serves`: the layers the swarm lists the sender
-    serving, when the sender proved its peer id (None: not a listed peer); `start`: this hop's
-    first layer. A relay serves many clients, so a peer that serves the layers just before this
-    hop speaks for its client; anyone else's claim is ignored, and its address is what it holds."""
+def vouched_origin(origin: str | None, relay_serves: tuple[int, int] | None, start: int) -> str | None:
+    """The client address a relayed session's caps count against, or None: count it against the
+    sender's own. `origin`: the client's address as the Open names it; `relay_serves`: the layers the
+    swarm lists the sender serving, when the sender proved its peer id (None: not a listed peer);
+    `start`: this hop's first layer. A relay serves many clients, so a peer that serves the layers
+    just before this hop speaks for its client; anyone else's claim is ignored."""
     if origin is None or relay_serves is None or not origin.startswith(ORIGIN_KINDS):
-        return connection
+        return None
     first, end = relay_serves
-    return origin if first < start <= end else connection
+    return origin if first < start <= end else None

@@ -28,7 +28,7 @@ from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
 from p2pfusion.net.transport import Transport
 from p2pfusion.peer import memory
-from p2pfusion.peer.admission import Reservation, caps_source, refusal
+from p2pfusion.peer.admission import Reservation, refusal, vouched_origin
 from p2pfusion.peer.batching import fairness_unit
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
@@ -197,12 +197,12 @@ class StageServer:
         if self.draining:
             raise PeerFailed("open: this peer is leaving the swarm", self.peer_id)
 
-    async def _caps_source(self, msg: m.Open, source: Source) -> str:
-        """The address the session's caps count against (peer.admission.caps_source)."""
+    async def _vouched_origin(self, msg: m.Open, source: Source) -> str | None:
+        """The client's address, where a listed peer relays the session (peer.admission.vouched_origin)."""
         if msg.origin is None or source.peer is None:
-            return source.address
+            return None
         start = msg.route[0].start if msg.route else self.stage.start
-        return caps_source(source.address, msg.origin, await self.directory.serves(source.peer), start)
+        return vouched_origin(msg.origin, await self.directory.serves(source.peer), start)
 
     def _admit(self, msg: m.Open, source: str) -> int:
         """The bytes the session reserves; PeerBusy (with a retry hint) when the budget, the session
@@ -219,11 +219,15 @@ class StageServer:
 
     async def _serve_session(self, msg: m.Open, reader, writer, source: Source) -> None:
         self._check_open(msg)
-        caps = await self._caps_source(msg, source)
+        origin = await self._vouched_origin(msg, source)
+        caps = origin or source.address
+        # a listed peer speaks for its client: the session is charged as at its first hop; anyone
+        # else's claim divides only its own share
+        unit = fairness_unit(source.fairness, msg.client) if origin is None else msg.client or origin
         session = Session(
             msg.session_id, msg.max_length, self.stage, writer, msg.purpose,
             compression=msg.compression if msg.compression != AUTO else self.compression,
-            upstream_link=msg.link, source=caps, client=fairness_unit(source.fairness, msg.client), batch=msg.batch,
+            upstream_link=msg.link, source=caps, client=unit, batch=msg.batch,
             reserved=self._admit(msg, caps),
             downstream_peers=frozenset(hop.peer_id for hop in msg.route[1:]),
             frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.max_length),
