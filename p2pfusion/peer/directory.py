@@ -1,7 +1,6 @@
 """What a peer knows of the others from their signed records: where it may dial its next hop, and
 which peers are listed (their streams relay other clients' sessions).
 
-
 An `Open` names the next hop's addresses, but whoever sent it chose them: a peer that dialled
 them would scan ports for anyone. So it dials the route's addresses only where the next hop's own
 record lists them too (or the record's, if none is), and at most MAX_DIALED of them; a next hop
