@@ -8,15 +8,15 @@ __all__ = ["AutoDistributedModelForCausalLM", "SwarmLM", "SwarmLMSync", "SwarmTr
 def __getattr__(name: str):
     # imported on first use: torch and transformers are slow to import, and the CLI rarely needs this
     if name == "AutoDistributedModelForCausalLM":
-        from p2pfusion.client.model import AutoDistributedModelForCausalLM
+        from p2pfusion.client.tune.distributed import AutoDistributedModelForCausalLM
 
         return AutoDistributedModelForCausalLM
     if name in ("SwarmLM", "SwarmLMSync"):
-        from p2pfusion.client import swarm_lm
+        from p2pfusion.client.generate import swarm_lm
 
         return getattr(swarm_lm, name)
     if name == "SwarmTrainer":
-        from p2pfusion.client.trainer import SwarmTrainer
+        from p2pfusion.client.run.trainer import SwarmTrainer
 
         return SwarmTrainer
     raise AttributeError(f"module 'p2pfusion' has no attribute {name!r}")

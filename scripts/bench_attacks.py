@@ -40,7 +40,7 @@ import uvloop
 from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.records import PeerRecord, PeerState, model_key
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError

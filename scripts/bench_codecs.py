@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage
 from p2pfusion.net.codecs import Codec, pack, unpack

@@ -26,8 +26,8 @@ import pydoc_data.topics
 import torch
 from tqdm import tqdm
 
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.verify import relative_errors
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.checks.policy import relative_errors
 from p2pfusion.models.formats import WeightFormat, layer_sizes, load_settings
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage

@@ -1,6 +1,6 @@
 """The client's greedy head for several sessions at once: screened row by row, or one float32 product.
 
-`client/head_batch.py` chooses the greedy tokens of the sessions that ask in the same turn of the
+`client/generate/greedy.py` chooses the greedy tokens of the sessions that ask in the same turn of the
 loop together; this measures what each way costs on the default model's head (49,152 x 576), one
 thread, for 1 to 16 rows: the float16 screen one row at a time (`ScreenedHead.next_token`),
 `torch.nn.functional.linear` over all rows, and the product with the vocabulary as the left operand
@@ -20,7 +20,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from p2pfusion.client.head import screened_head
+from p2pfusion.client.generate.screen import screened_head
 from p2pfusion.models.source import resolve_model
 from transformers import AutoModelForCausalLM
 

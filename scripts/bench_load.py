@@ -44,7 +44,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model

@@ -18,7 +18,7 @@ import sys
 import uvloop
 
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.trainer import SwarmTrainer
+from p2pfusion.client.run.trainer import SwarmTrainer
 from p2pfusion.models.source import resolve_model
 
 TRAIN_MODULES = ("argparse", "asyncio.tasks", "collections", "functools", "itertools", "json", "logging", "os", "pathlib",

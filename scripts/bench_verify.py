@@ -29,10 +29,10 @@ import uvloop
 from tqdm import tqdm
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client import verifier as verifier_module
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.checks import verifier as verifier_module
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.verify import DEFAULT_RATE
+from p2pfusion.client.checks.policy import DEFAULT_RATE
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
 from p2pfusion.models.source import resolve_model

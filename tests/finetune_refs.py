@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from peft import LoraConfig, get_peft_model
 
-from p2pfusion.client.adapters import Adapter
-from p2pfusion.models.adapters import LORA
+from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.models.tuning import LORA
 from tests.conftest import reference_model
 
 

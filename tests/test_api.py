@@ -24,9 +24,9 @@ from transformers.generation.logits_process import TopPLogitsWarper
 from p2pfusion.api.app import base_url, create_app, listen, model_names, server
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.sampling import choose_token, nucleus
-from p2pfusion.client.stops import StopText
-from p2pfusion.client.swarm_lm import SwarmLM
+from p2pfusion.client.generate.sampling import choose_token, nucleus
+from p2pfusion.client.generate.stops import StopText
+from p2pfusion.client.generate.swarm_lm import SwarmLM
 from p2pfusion.models.source import ModelSource, resolve_model
 from tests.conftest import COMMON, reference_model
 from tests.api_process import api_url, launch_api

@@ -11,7 +11,7 @@ import uvloop
 from p2pfusion.cli.chat import Chat, run_chat
 from p2pfusion.cli.commands import client_model, join
 from p2pfusion.cli.main import build_parser
-from p2pfusion.client.generation import load_tokenizer
+from p2pfusion.client.generate.causal_lm import load_tokenizer
 from p2pfusion.client.loop import BackgroundLoop
 from tests.conftest import reference_model
 from tests.swarm import peers_in_background

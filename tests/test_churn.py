@@ -9,7 +9,7 @@ import torch
 import uvloop
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.upkeep import Upkeep

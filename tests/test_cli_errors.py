@@ -11,7 +11,7 @@ import uvloop
 
 from p2pfusion import __version__
 from p2pfusion.cli.main import build_parser
-from p2pfusion.client.adapters import Adapter, TuningConfig
+from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from tests.conftest import reference_model
 from tests.swarm import running_peers
 

@@ -17,7 +17,7 @@ import torch
 
 from p2pfusion.cli import commands
 from p2pfusion.cli.main import main
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode, join_swarm

@@ -13,7 +13,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.records import PeerRecord, PeerState, model_key
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.dht.validation import SwarmValidator

@@ -10,9 +10,9 @@ from peft import PeftModel
 
 from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.adapters import Adapter, TuningConfig
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.training import split_batch
+from p2pfusion.client.tune.adapter import Adapter, TuningConfig
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.tune.steps import split_batch
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from transformers import LlamaConfig

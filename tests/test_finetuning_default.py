@@ -6,7 +6,7 @@ import torch
 from transformers import AutoTokenizer
 
 from p2pfusion import AutoDistributedModelForCausalLM
-from p2pfusion.client.adapters import Adapter, TuningConfig
+from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from tests.finetune_refs import LocalReference, distributed_grads, randomize
 from tests.swarm import peers_in_background
 

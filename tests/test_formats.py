@@ -4,10 +4,10 @@ holding their layers in float32, int4 and bfloat16, and clients that choose what
 import pytest
 import torch
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.routing import refused_only
-from p2pfusion.client.verify import FORMAT_TOLERANCE, relative_errors
+from p2pfusion.client.route.planner import refused_only
+from p2pfusion.client.checks.policy import FORMAT_TOLERANCE, relative_errors
 from p2pfusion.cli.options import FORMATS
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.dht.swarm import join_swarm

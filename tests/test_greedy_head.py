@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from torch import nn
 from transformers import AutoModelForCausalLM, Gemma2Config
 
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.head import ScreenedHead, screened_head
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.generate.screen import ScreenedHead, screened_head
 from tests.conftest import COMMON, reference_model
 
 

@@ -10,7 +10,7 @@ import uvloop
 
 from p2pfusion.cli.hosts import HostNetwork, namespaces_unavailable
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from tests.test_churn import _reference
 

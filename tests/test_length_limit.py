@@ -10,8 +10,8 @@ import torch
 import uvloop
 
 from p2pfusion import AutoDistributedModelForCausalLM
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.routing import find_route, session_limit
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.route.planner import find_route, session_limit
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError, RouteError
 from tests.conftest import reference_model

@@ -11,8 +11,8 @@ import uvloop
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.routing import FULL_SECONDS, find_route, load_seconds
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.route.planner import FULL_SECONDS, find_route, load_seconds
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import PeerBusy, RequestError
 from p2pfusion.net import messages as m

@@ -10,10 +10,10 @@ import torch
 
 from p2pfusion.cli.commands import client_model
 from p2pfusion.cli.main import build_parser
-from p2pfusion.client.adapters import Adapter, TuningConfig
-from p2pfusion.client.conversation import Conversation
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.local_layers import LocalRun
+from p2pfusion.client.tune.adapter import Adapter, TuningConfig
+from p2pfusion.client.generate.conversation import Conversation
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.generate.local_layers import LocalRun
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
 from p2pfusion.models.stage import load_config, load_stage

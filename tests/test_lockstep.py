@@ -1,12 +1,12 @@
-"""A client's decoding sessions in lockstep (client/lockstep.py): the pure policy, and the cohorts'
+"""A client's decoding sessions in lockstep (client/generate/lockstep.py): the pure policy, and the cohorts'
 behaviour on an event loop, with sessions whose steps take their own times."""
 
 import asyncio
 
 import pytest
 
-from p2pfusion.client import lockstep as lockstep_module
-from p2pfusion.client.lockstep import Lockstep, arrived, cohort_for
+from p2pfusion.client.generate import lockstep as lockstep_module
+from p2pfusion.client.generate.lockstep import Lockstep, arrived, cohort_for
 
 
 def test_cohort_policy():

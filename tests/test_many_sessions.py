@@ -10,8 +10,8 @@ import pytest
 import torch
 import uvloop
 
-from p2pfusion.client.adapters import Adapter, TuningConfig
-from p2pfusion.client.swarm_lm import SwarmLM, SwarmLMSync
+from p2pfusion.client.tune.adapter import Adapter, TuningConfig
+from p2pfusion.client.generate.swarm_lm import SwarmLM, SwarmLMSync
 from p2pfusion.errors import RequestError
 from tests.conftest import reference_model
 from tests.finetune_refs import LocalReference, randomize

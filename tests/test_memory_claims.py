@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.initialization import no_init_weights
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model

@@ -11,7 +11,7 @@ import torch
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
 from p2pfusion.net import messages as m

@@ -14,8 +14,8 @@ import uvloop
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from p2pfusion.cli.swarm_view import chosen_models, show_swarm
-from p2pfusion.client.adapters import Adapter, TuningConfig
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.tune.adapter import Adapter, TuningConfig
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.records import ModelEntry
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
@@ -171,7 +171,7 @@ def test_an_adapter_knows_the_weights_it_was_saved_on(folders, tmp_path, caplog)
     Adapter(config, TuningConfig("lora", rank=2)).save(tmp_path / "adapter", a)
     saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (saved["base_model_name_or_path"], saved["p2pfusion_model_key"]) == ("smol-a", a.key)
-    with caplog.at_level("WARNING", logger="p2pfusion.client.adapters"):
+    with caplog.at_level("WARNING", logger="p2pfusion.client.tune.adapter"):
         Adapter.load(tmp_path / "adapter", config, copy)
         assert not caplog.records
         Adapter.load(tmp_path / "adapter", config, namesake)

@@ -10,7 +10,7 @@ import torch
 import uvloop
 from hivemind.p2p import PeerID
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import read_frame, write_frame

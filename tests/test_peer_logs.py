@@ -12,7 +12,7 @@ import pytest
 import uvloop
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.upkeep import Upkeep
 from tests.swarm import running_peers
@@ -20,7 +20,7 @@ from tests.swarm import running_peers
 # A client that sends steps and dies before their results come back, as a killed `infer` does.
 DYING_CLIENT = """
 import os, sys, uvloop
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 

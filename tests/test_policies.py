@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pfusion.client.health import BAN_MAX, HINT_MAX, PeerHealth
-from p2pfusion.client.local_layers import local_boundary
-from p2pfusion.client.routing import find_route, missing_layers, session_limit
-from p2pfusion.client.session import MIN_CHUNK_TOKENS, chunk_sizes
+from p2pfusion.client.route.health import BAN_MAX, HINT_MAX, PeerHealth
+from p2pfusion.client.generate.local_layers import local_boundary
+from p2pfusion.client.route.planner import find_route, missing_layers, session_limit
+from p2pfusion.client.route.session import MIN_CHUNK_TOKENS, chunk_sizes
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RequestError, RouteError
 from tests.policy_records import rec

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from p2pfusion.cli.main import main
-from p2pfusion.client.model import AutoDistributedModelForCausalLM
-from p2pfusion.client.swarm_lm import SwarmLM
+from p2pfusion.client.tune.distributed import AutoDistributedModelForCausalLM
+from p2pfusion.client.generate.swarm_lm import SwarmLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.net import messages as m

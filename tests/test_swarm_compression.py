@@ -3,7 +3,7 @@
 import torch
 import uvloop
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.stage import load_stage
 from p2pfusion.net.codecs import Codec, pack, unpack

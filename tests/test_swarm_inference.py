@@ -4,7 +4,7 @@ import pytest
 import torch
 import uvloop
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from tests.conftest import TINY_CONFIGS, reference_model
 from tests.swarm import running_peers

@@ -4,9 +4,9 @@ import pytest
 import torch
 import uvloop
 
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.routing import find_route
-from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.route.planner import find_route
+from p2pfusion.client.route.session import InferenceSession
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
 from p2pfusion.net.compression import Purpose

@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from p2pfusion.client import health as health_module
-from p2pfusion.client.health import MAX_OBSERVED, PeerHealth, load_observed, save_observed
-from p2pfusion.client.routing import HOP_SECONDS, UNOBSERVED_CAP, expected_throughput, find_route
-from p2pfusion.client.trust import Stream, admitted, blamed, claim_subject, needs_probe
+from p2pfusion.client.route import health as health_module
+from p2pfusion.client.route.health import MAX_OBSERVED, PeerHealth, load_observed, save_observed
+from p2pfusion.client.route.planner import HOP_SECONDS, UNOBSERVED_CAP, expected_throughput, find_route
+from p2pfusion.client.route.claims import Stream, admitted, blamed, claim_subject, needs_probe
 from p2pfusion.net import messages as m
 from tests.policy_records import rec
 

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.trusted import TrustedGap, parse_peer_id, read_trusted, trusted_peers, trusted_records
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.route.allowlist import TrustedGap, parse_peer_id, read_trusted, trusted_peers, trusted_records
 from p2pfusion.dht.records import PeerState
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.net.identity import Identity, peer_id_of_key

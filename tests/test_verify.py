@@ -6,7 +6,7 @@ import logging
 import torch
 import uvloop
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from tests.conftest import reference_model
 from tests.swarm import running_peers, start_peer, stop_peer

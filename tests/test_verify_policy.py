@@ -1,11 +1,11 @@
-"""The verification policies (client/verify.py), without a network."""
+"""The verification policies (client/checks/policy.py), without a network."""
 
 import math
 
 import pytest
 import torch
 
-from p2pfusion.client.verify import (
+from p2pfusion.client.checks.policy import (
     Culprit,
     alternative_route,
     check_rate,

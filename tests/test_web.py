@@ -19,7 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.swarm_status import SNAPSHOT_TTL
+from p2pfusion.client.survey import SNAPSHOT_TTL
 from p2pfusion.models.source import ModelSource
 from tests.api_process import api_url, launch_api
 from tests.conftest import reference_model

@@ -11,17 +11,17 @@ from hivemind.p2p import P2P
 from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.replicas import chains, served, split_rows, stages
-from p2pfusion.client.session import InferenceSession
-from p2pfusion.client.trainer import SwarmTrainer
+from p2pfusion.client.run.replicas import chains, served, split_rows, stages
+from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.run.trainer import SwarmTrainer
 from p2pfusion.dht.records import PeerState
 from p2pfusion.errors import PeerRefused, RequestError, RouteError
 from p2pfusion.models.formats import layer_shapes
 from p2pfusion.models.source import resolve_model
-from p2pfusion.net import train_messages as t
+from p2pfusion.net import run_messages as t
 from p2pfusion.net.averaging import AveragingFailed, GroupAverager
 from p2pfusion.net.compression import Purpose
-from p2pfusion.net.train_calls import call, fetch_state
+from p2pfusion.net.run_calls import call, fetch_state
 from p2pfusion.peer.balance import misfit, training_stage
 from p2pfusion.peer.replica import OuterHyper
 from policy_records import rec

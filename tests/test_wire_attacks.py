@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import probe
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame

@@ -20,8 +20,8 @@ from p2pfusion.api import schemas
 from p2pfusion.api.completions import Completions
 from p2pfusion.api.errors import APIError, install, unknown_model
 from p2pfusion.api.web import add_web, api_key_refused
-from p2pfusion.client.routing import missing_layers, usable
-from p2pfusion.client.swarm_lm import SwarmLM
+from p2pfusion.client.route.planner import missing_layers, usable
+from p2pfusion.client.generate.swarm_lm import SwarmLM
 
 GRACEFUL_SHUTDOWN = 5.0  # seconds open streams get to end when the server stops
 

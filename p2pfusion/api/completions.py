@@ -26,8 +26,8 @@ from sse_starlette import EventSourceResponse
 
 from p2pfusion.api import schemas
 from p2pfusion.api.errors import APIError, from_core, unknown_model, unsupported
-from p2pfusion.client.conversation import Generated
-from p2pfusion.client.swarm_lm import GenerationRequest, Piece, SwarmLM, TokenStream
+from p2pfusion.client.generate.conversation import Generated
+from p2pfusion.client.generate.swarm_lm import GenerationRequest, Piece, SwarmLM, TokenStream
 from p2pfusion.errors import P2PFusionError
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ and a live view of the swarm polled from `GET /v1/swarm`.
 
 The page is plain HTML, CSS and JavaScript in `static/` (no build step, nothing fetched from
 elsewhere), so it works on a machine with no internet. `/` opens the chat and `/swarm` the
-dashboard. `/v1/swarm` is the JSON of `p2pfusion swarm --json` (client/swarm_status.py), and
+dashboard. `/v1/swarm` is the JSON of `p2pfusion swarm --json` (client/survey.py), and
 asks for the API key like every other `/v1` route when the API has one: it names the peers.
 """
 
@@ -16,8 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 
-from p2pfusion.client.swarm_lm import SwarmLM
-from p2pfusion.client.swarm_status import SwarmStatus
+from p2pfusion.client.generate.swarm_lm import SwarmLM
+from p2pfusion.client.survey import SwarmStatus
 
 STATIC = Path(__file__).with_name("static")
 # the page is small and changes with the package: browsers ask again each time rather than run a stale copy

@@ -1,7 +1,7 @@
 """`p2pfusion chat`: a multi-turn chat in the terminal through one warm swarm session.
 
 Each turn renders the whole conversation with the model's chat template; a `Conversation`
-(client/generation.py) keeps the session open between turns, so the peers keep the earlier turns'
+(client/generate/causal_lm.py) keeps the session open between turns, so the peers keep the earlier turns'
 KV caches and a turn sends only its new tokens. Replies stream to stdout; notices go to stderr.
 
 The chat runs on the main thread and the swarm on a loop thread of its own, so `input()` keeps its
@@ -22,8 +22,8 @@ from typing import TextIO
 import torch
 
 from p2pfusion.cli.commands import StreamingDecoder, client_model, join
-from p2pfusion.client.conversation import Conversation, Generated
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.generate.conversation import Conversation, Generated
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.errors import RequestError
 from p2pfusion.net.secret import load_secret

@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from p2pfusion.client.adapters import Adapter
-from p2pfusion.client.generation import RemoteCausalLM
-from p2pfusion.client.swarm_lm import SwarmLM
-from p2pfusion.client.text import TextPieces
-from p2pfusion.client.verify import DEFAULT_RATE
+from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.generate.swarm_lm import SwarmLM
+from p2pfusion.client.generate.text import TextPieces
+from p2pfusion.client.checks.policy import DEFAULT_RATE
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.formats import DTYPES, WeightFormat

@@ -3,7 +3,7 @@
 Models come from the DHT's shared model list (each peer lists its model there), so the view needs
 no local copy of any model; `--model` picks one by swarm key, by display name, or by a local model
 (a folder, `.gguf` file or Hub id) whose weights are hashed to find its key. The view itself, and
-its JSON, come from client/swarm_status.py, which the HTTP API's dashboard serves too.
+its JSON, come from client/survey.py, which the HTTP API's dashboard serves too.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from p2pfusion.client.catalog import absent_model, describe
-from p2pfusion.client.swarm_status import SwarmStatus
+from p2pfusion.client.route.catalog import absent_model, describe
+from p2pfusion.client.survey import SwarmStatus
 from p2pfusion.dht.records import ModelEntry
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError

@@ -1,5 +1,5 @@
 """How well a model's layers are served, read from its peers' records: shared by the peers'
-balancing (peer/balance.py) and the clients' view of the swarm (client/swarm_status.py)."""
+balancing (peer/balance.py) and the clients' view of the swarm (client/survey.py)."""
 
 from __future__ import annotations
 

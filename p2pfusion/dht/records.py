@@ -17,7 +17,7 @@ from enum import Enum
 from typing import Any
 
 from p2pfusion.errors import RequestError
-from p2pfusion.net.train_messages import check_run_name
+from p2pfusion.net.run_messages import check_run_name
 
 
 class PeerState(str, Enum):
@@ -85,7 +85,7 @@ class PeerRecord:
     # the peer's own clock when it entered this state and range: a client that avoided the peer
     # takes it back once a newer record says it serves again (compared only with the same peer's)
     since: float = 0.0
-    # what it holds now, so clients spread sessions over equivalent peers (client/routing.py)
+    # what it holds now, so clients spread sessions over equivalent peers (client/route/planner.py)
     sessions: int = 0  # sessions open
     queued: int = 0  # steps waiting for its compute thread
     cache_used: int = 0  # bytes of KV cache its sessions reserve

@@ -32,7 +32,7 @@ from transformers import (
 from transformers.initialization import no_init_weights
 
 from p2pfusion.errors import ModelError
-from p2pfusion.models.adapters import StageAdapter, applied
+from p2pfusion.models.tuning import StageAdapter, applied
 from p2pfusion.models.cache_arg import cache_arg
 from p2pfusion.models.fingerprint import weight_files
 from p2pfusion.models.formats import LAYER_PREFIX, WeightFormat, is_weight, quantize, stored_bytes, weight_format, weight_storages

@@ -98,7 +98,7 @@ def all_back(waiting: list[Hashable | None], mates: Mapping[Hashable, frozenset]
     """Whether waiting decode steps may start before the gathering moment (peer/scheduler.py):
     each is a step of a session that last ran in a batch of two or more (`mates`: an open session
     -> the sessions of its last batch), and every session of those batches still open has a step
-    waiting. A client in lockstep (client/lockstep.py) sends such bursts."""
+    waiting. A client in lockstep (client/generate/lockstep.py) sends such bursts."""
     present = set(waiting)
     for member in waiting:
         batch = mates.get(member)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from p2pfusion.models.adapters import MAX_PROMPT_TOKENS, MAX_RANK
+from p2pfusion.models.tuning import MAX_PROMPT_TOKENS, MAX_RANK
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameLimits

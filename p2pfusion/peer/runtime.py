@@ -36,7 +36,7 @@ from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimi
 from p2pfusion.peer.memory import KV_RESERVE_TOKENS, default_budget, default_cache_memory, layers_that_fit, resident_bytes
 from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.server import StageServer
-from p2pfusion.peer.training import ReplicaService, join_run
+from p2pfusion.peer.run_service import ReplicaService, join_run
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their resu
 # batch's recent time, at most 8 ms (on this project's CPUs: 8 sessions went from 16 to 22
 # tokens/s through 3 peers, docs/benchmarks.md); on a GPU, where a step takes a few ms, less.
 # Steps of sessions that ran together last time do not wait that long: their batch starts as soon
-# as all of its sessions still open are back, which in lockstep (client/lockstep.py) is at once.
+# as all of its sessions still open are back, which in lockstep (client/generate/lockstep.py) is at once.
 GATHER_SHARE = 0.25
 MAX_GATHER = 0.008
 BULK_NICE = 10  # how much lower the OS priority of prefill chunks and training steps is (Linux nice)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pfusion.errors import RequestError
-from p2pfusion.models.adapters import StageAdapter, layer_of, stage_adapter
+from p2pfusion.models.tuning import StageAdapter, layer_of, stage_adapter
 from p2pfusion.models.stage import Graph, Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import Codec, ErrorFeedback, Packed, pack

@@ -1,6 +1,6 @@
 """Greedy next tokens of the sessions that want one at the same moment, as one head computation.
 
-A client running many sessions releases a cohort's members together (client/lockstep.py); each
+A client running many sessions releases a cohort's members together (client/generate/lockstep.py); each
 would then run the LM head on its own, a matrix-vector product over the whole vocabulary each.
 Requests made in the same turn of the event loop are answered together instead: one final norm
 and one float32 matrix product for all of them, which also sends their next steps to the first
@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from p2pfusion.client.head import ScreenedHead
+from p2pfusion.client.generate.screen import ScreenedHead
 
 
 BATCHED_ROWS = 4  # from this many rows, one float32 product costs less than screening each (docs/benchmarks.md)

@@ -22,13 +22,13 @@ from collections.abc import Callable, Collection
 
 import torch
 
-from p2pfusion.client.adapters import Adapter, RemoteParameters
-from p2pfusion.client.failover import SwarmAccess, cut
-from p2pfusion.client.routing import find_route, usable
-from p2pfusion.client.verifier import params_for
+from p2pfusion.client.tune.adapter import Adapter, RemoteParameters
+from p2pfusion.client.route.failover import SwarmAccess, cut
+from p2pfusion.client.route.planner import find_route, usable
+from p2pfusion.client.checks.verifier import params_for
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import RequestError, RouteError
-from p2pfusion.models.adapters import StageAdapter, stage_adapter
+from p2pfusion.models.tuning import StageAdapter, stage_adapter
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_stage
 from p2pfusion.net.payloads import unflatten

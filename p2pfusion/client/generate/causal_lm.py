@@ -1,7 +1,7 @@
 """Inference through the swarm: tokenizer, embeddings, final norm, LM head and sampling stay on the client.
 
 `RemoteCausalLM` holds the model's local parts and what its sessions share; each generation runs in
-a `Conversation` (client/conversation.py), which owns one swarm session and the tokens its peers hold.
+a `Conversation` (client/generate/conversation.py), which owns one swarm session and the tokens its peers hold.
 """
 
 from __future__ import annotations
@@ -13,21 +13,21 @@ from collections.abc import Awaitable, Callable
 import torch
 from transformers import AutoTokenizer
 
-from p2pfusion.client.adapters import Adapter
-from p2pfusion.client.conversation import Conversation, Generated
-from p2pfusion.client.failover import ResilientSession, SwarmAccess
-from p2pfusion.client.head import screened_head
-from p2pfusion.client.head_batch import HeadBatcher
-from p2pfusion.client.health import PeerHealth, load_observed
-from p2pfusion.client.local_layers import LocalLayers, swarm_part
-from p2pfusion.client.lockstep import Lockstep
-from p2pfusion.client.routing import find_route, session_limit
-from p2pfusion.client.sampling import choose_token
-from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.client.generate.conversation import Conversation, Generated
+from p2pfusion.client.route.failover import ResilientSession, SwarmAccess
+from p2pfusion.client.generate.screen import screened_head
+from p2pfusion.client.generate.greedy import HeadBatcher
+from p2pfusion.client.route.health import PeerHealth, load_observed
+from p2pfusion.client.generate.local_layers import LocalLayers, swarm_part
+from p2pfusion.client.generate.lockstep import Lockstep
+from p2pfusion.client.route.planner import find_route, session_limit
+from p2pfusion.client.generate.sampling import choose_token
+from p2pfusion.client.route.session import InferenceSession
 from p2pfusion.models.formats import WeightFormat, minimum_format
-from p2pfusion.client.trusted import TrustedPeers, trusted_peers as trusted_set
-from p2pfusion.client.verifier import Trust, Verifier
-from p2pfusion.client.verify import DEFAULT_RATE, check_rate
+from p2pfusion.client.route.allowlist import TrustedPeers, trusted_peers as trusted_set
+from p2pfusion.client.checks.verifier import Trust, Verifier
+from p2pfusion.client.checks.policy import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError, PromptTooLong, RequestError
 from p2pfusion.models.source import ModelSource
@@ -84,9 +84,9 @@ class RemoteCausalLM:
         self._swarm_access: SwarmAccess | None = None
         self._trust: Trust | None = None
         self._reads: dict[str, asyncio.Task] = {}  # swarm reads in flight, shared by sessions opening together
-        # greedy tokens through bounds on the head's logits (client/head.py); False: not built yet
+        # greedy tokens through bounds on the head's logits (client/generate/screen.py); False: not built yet
         self._heads: HeadBatcher | None | bool = False if screen_head else None
-        self.lockstep = Lockstep()  # decoding sessions step together (client/lockstep.py)
+        self.lockstep = Lockstep()  # decoding sessions step together (client/generate/lockstep.py)
 
     @property
     def tokenizer(self):
@@ -213,8 +213,8 @@ class RemoteCausalLM:
         self, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0
     ) -> int:
         """The token after the last position of `hidden` [1, tokens, hidden]. Greedy choices of
-        sessions asking at the same moment are made together (client/head_batch.py), through
-        bounds that give the float32 head's own token (client/head.py)."""
+        sessions asking at the same moment are made together (client/generate/greedy.py), through
+        bounds that give the float32 head's own token (client/generate/screen.py)."""
         if temperature <= 0:
             if self._heads is False:
                 screen = screened_head(self.head)
@@ -249,7 +249,7 @@ class RemoteCausalLM:
         """One generation in a session of its own, with `adapter` (None: the model's own). Many may
         run at once on one event loop: they share the swarm node, the head and what is known of
         peers, and each has its own session, generator and adapter. `top_p` and `stop`: see
-        client/sampling.py and `Conversation.generate`."""
+        client/generate/sampling.py and `Conversation.generate`."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         conversation = Conversation(self, keep=False, adapter=adapter)
         try:

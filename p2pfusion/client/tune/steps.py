@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pfusion.client.adapters import RemoteParameters
-from p2pfusion.client.failover import ResilientSession
-from p2pfusion.client.session import InferenceSession
+from p2pfusion.client.tune.adapter import RemoteParameters
+from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.route.session import InferenceSession
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
 

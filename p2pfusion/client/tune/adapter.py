@@ -22,7 +22,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from p2pfusion.errors import ModelError, RequestError
-from p2pfusion.models.adapters import (
+from p2pfusion.models.tuning import (
     DEEP_PROMPT,
     DEFAULT_LORA_TARGETS,
     LORA,

@@ -5,7 +5,7 @@ for it (an exponential moving average of observed speed).
 Observed speed is kept per layer (layer-tokens/s), so it compares across spans, and it is saved
 in the cache folder, so later runs and `p2pfusion swarm` start from what this machine saw. It
 comes only from this client's own clock: the time its steps took end to end, shared by the
-route's layers, and its one-hop probes (client/probe.py). Only finite positive figures are kept,
+route's layers, and its one-hop timings of a peer (client/survey.py). Only finite positive figures are kept,
 for the MAX_OBSERVED peers seen most recently.
 """
 

@@ -6,11 +6,11 @@ backup can take over, finds a new route among the online peers and warm backups,
 hops the session's adapter, and sends the whole history again as one prefill step, with the
 pending step's inputs at its end. Each hop of the new route rebuilds its KV cache from those
 inputs, so the generation goes on exactly as it would have. Training sessions
-(p2pfusion.client.training) use the same connecting and failing over.
+(p2pfusion.client.tune.steps) use the same connecting and failing over.
 
-Before a route is used, its peers answer a ping (client/reach.py): a record pointing at a
+Before a route is used, its peers answer a ping (client/route/pings.py): a record pointing at a
 tarpit costs one short timeout, shared with up to SCREEN_CONCURRENCY others, not a session's.
-A busy peer is skipped for as long as its retry hint says (client/health.py), not banned: the
+A busy peer is skipped for as long as its retry hint says (client/route/health.py), not banned: the
 session takes another peer of those layers, or waits for room, saying which on stderr once. An
 expired session is opened again at once.
 """
@@ -25,14 +25,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2pfusion.client.adapters import RemoteParameters
-from p2pfusion.client.catalog import model_records
-from p2pfusion.client.health import PeerHealth
-from p2pfusion.client.reach import SCREEN_CONCURRENCY, ReachBook
-from p2pfusion.client.routing import expected_throughput, find_route, format_ranges, refused_only, usable
-from p2pfusion.client.session import InferenceSession
-from p2pfusion.client.trust import FalseClaim
-from p2pfusion.client.trusted import TrustedGap, trusted_records
+from p2pfusion.client.tune.adapter import RemoteParameters
+from p2pfusion.client.route.catalog import model_records
+from p2pfusion.client.route.health import PeerHealth
+from p2pfusion.client.route.pings import SCREEN_CONCURRENCY, ReachBook
+from p2pfusion.client.route.planner import expected_throughput, find_route, format_ranges, refused_only, usable
+from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.route.claims import FalseClaim
+from p2pfusion.client.route.allowlist import TrustedGap, trusted_records
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
@@ -64,9 +64,9 @@ class SwarmAccess:
     links: LinkBook
     compression: str = AUTO
     # peers this client will not route through: caught computing wrong results, by its own
-    # verification or by enough other clients' reports (p2pfusion.client.verify)
+    # verification or by enough other clients' reports (p2pfusion.client.checks.policy)
     distrusted: set[str] = field(default_factory=set)
-    # the only peers routes, failovers and checks may use (client/trusted.py); None: any peer
+    # the only peers routes, failovers and checks may use (client/route/allowlist.py); None: any peer
     trusted: frozenset[str] | None = None
     # the least precise format a route may use (models/formats.py): INT4 takes every peer, FLOAT32 is --exact
     minimum: WeightFormat = WeightFormat.INT4
@@ -127,7 +127,7 @@ class ResilientSession:
         self.params = params  # the adapter every route of this session gets
         self.purpose = purpose
         self.batch = batch  # sequences per step the peers make room for; a wider step opens again
-        self.first = first  # the layer routes start at: the client runs those before it (client/local_layers.py)
+        self.first = first  # the layer routes start at: the client runs those before it (client/generate/local_layers.py)
         self.session: InferenceSession | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0

@@ -18,19 +18,19 @@ from torch import nn
 from transformers import Cache, GenerationConfig
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from p2pfusion.client.adapters import Adapter, RemoteParameters, TuningConfig
-from p2pfusion.client.failover import ResilientSession
-from p2pfusion.client.conversation import MAX_REWINDS, new_tokens_within
-from p2pfusion.client.generation import load_tokenizer
+from p2pfusion.client.tune.adapter import Adapter, RemoteParameters, TuningConfig
+from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.generate.conversation import MAX_REWINDS, new_tokens_within
+from p2pfusion.client.generate.causal_lm import load_tokenizer
 from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.remote_layers import RemoteLayers, SwarmClient
+from p2pfusion.client.tune.layers import RemoteLayers, SwarmClient
 from p2pfusion.models.formats import WeightFormat, minimum_format
-from p2pfusion.client.trusted import TrustedPeers, trusted_peers as trusted_set
-from p2pfusion.client.verifier import Verifier
-from p2pfusion.client.verify import DEFAULT_RATE, check_rate
+from p2pfusion.client.route.allowlist import TrustedPeers, trusted_peers as trusted_set
+from p2pfusion.client.checks.verifier import Verifier
+from p2pfusion.client.checks.policy import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError, RouteError
-from p2pfusion.models.adapters import DEFAULT_LORA_TARGETS
+from p2pfusion.models.tuning import DEFAULT_LORA_TARGETS
 from p2pfusion.models.cache_arg import NEW, OLD, cache_arg, given_cache
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config, load_head

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hivemind.p2p import PeerID
 
-from p2pfusion.client.routing import format_ranges, missing_layers
+from p2pfusion.client.route.planner import format_ranges, missing_layers
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.net.identity import SHA2_256

@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2pfusion.client.health import PeerHealth, load_observed, save_observed
-from p2pfusion.client.probe import observe_peer
+import torch
+
+from p2pfusion.client.route.health import PeerHealth, load_observed, save_observed
+from p2pfusion.client.route.session import InferenceSession
 from p2pfusion.dht.coverage import layer_throughputs
 from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState, span_throughput
 from p2pfusion.dht.swarm import SwarmNode
@@ -26,6 +28,7 @@ from p2pfusion.net.probe import reachable
 
 log = logging.getLogger(__name__)
 
+PROBE_STEPS = 4  # one-token steps a peer is timed over
 PING_TIMEOUT = 2.0  # a live peer echoes in milliseconds; a killed one refuses the dial at once
 SNAPSHOT_TTL = 1.5  # seconds a view (reachability included) is shared by those who ask for it
 
@@ -80,6 +83,25 @@ class ModelView:
         }
 
 
+async def time_peer(
+    swarm: SwarmNode, record: PeerRecord, hidden_size: int, health: PeerHealth, dtype: torch.dtype = torch.float32
+) -> float:
+    """This client's own measurement of a peer, network included: one-token steps through its
+    layers in a one-hop session. Updates `health` (routing trusts it over the peer's advertised
+    speed) and returns the layer-rate."""
+    session = await InferenceSession(swarm.transport, [record], PROBE_STEPS + 1).open()
+    try:
+        await session.step(torch.randn(1, 1, hidden_size, dtype=dtype))
+        t0 = time.perf_counter()
+        for _ in range(PROBE_STEPS):
+            await session.step(torch.randn(1, 1, hidden_size, dtype=dtype))
+        seconds = (time.perf_counter() - t0) / PROBE_STEPS
+    finally:
+        await session.close()
+    health.observe(record.peer_id, record.span, seconds)
+    return record.span / seconds
+
+
 async def answering(swarm: SwarmNode, records: list[PeerRecord]) -> list[PeerRecord]:
     """The records whose peers answer an echo now, all asked at once."""
     transport = swarm.transport
@@ -113,7 +135,7 @@ class SwarmStatus:
         if probe:
             for record in records:
                 try:
-                    await observe_peer(self.swarm, record, entry.hidden_size, health)
+                    await time_peer(self.swarm, record, entry.hidden_size, health)
                 except (P2PFusionError, OSError, TimeoutError) as exc:  # shown with no fresh observation
                     log.warning("could not probe %s: %s", record.peer_id, exc)
             save_observed(entry.key, health.observed)

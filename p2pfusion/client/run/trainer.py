@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.training_run import RunConfig, TrainingRun
+from p2pfusion.client.run.driver import RunConfig, TrainingRun
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
 from p2pfusion.models.formats import layer_shapes

@@ -4,7 +4,7 @@ Left alone, the sessions of one client drift apart along the pipeline: each peer
 step or two at a time, and every forward reads all of its stage's weights for them (on this
 project's CPUs ten layers take 16 ms for one step and 37 ms for eight, docs/benchmarks.md). So
 each decoding session belongs to a cohort, and a cohort's members take their next step together:
-the client chooses their tokens as one head product (client/head_batch.py), their steps reach the
+the client chooses their tokens as one head product (client/generate/greedy.py), their steps reach the
 first peer in one burst, and every peer runs them as one batch and passes them on as one burst
 (peer/scheduler.py starts a batch as soon as the sessions it last ran together are back).
 

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import torch
 
-from p2pfusion.client.adapters import Adapter, RemoteParameters
-from p2pfusion.client.failover import ResilientSession, SwarmAccess
-from p2pfusion.client.generation import length_limit
-from p2pfusion.client.health import PeerHealth, load_observed, save_observed
+from p2pfusion.client.tune.adapter import Adapter, RemoteParameters
+from p2pfusion.client.route.failover import ResilientSession, SwarmAccess
+from p2pfusion.client.generate.causal_lm import length_limit
+from p2pfusion.client.route.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.training import TrainingSession, split_batch
-from p2pfusion.client.verifier import Trust, Verifier
-from p2pfusion.client.verify import DEFAULT_RATE
+from p2pfusion.client.tune.steps import TrainingSession, split_batch
+from p2pfusion.client.checks.verifier import Trust, Verifier
+from p2pfusion.client.checks.policy import DEFAULT_RATE
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import RequestError
 from p2pfusion.models.source import ModelSource

@@ -1,4 +1,4 @@
-"""Calling a training replica (net/train_messages.py): one request on a fresh stream, and its answers.
+"""Calling a training replica (net/run_messages.py): one request on a fresh stream, and its answers.
 
 A replica that cannot be dialled, or goes silent, is a PeerFailed naming it; one that answers with
 an Error is a PeerRefused (or what the Error's code says); an answer that is not what the
@@ -13,7 +13,7 @@ import torch
 
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
-from p2pfusion.net import train_messages as t
+from p2pfusion.net import run_messages as t
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
 from p2pfusion.net.transport import Transport
 

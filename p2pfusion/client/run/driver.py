@@ -1,7 +1,7 @@
 """Driving a training run of the swarm's own weights (docs/training.md).
 
 The driver holds the data, the tokenizer, the embeddings and the LM head (frozen). Each inner step
-splits its batch into micro-batches, one per chain of replicas (client/replicas.py), runs their
+splits its batch into micro-batches, one per chain of replicas (client/run/replicas.py), runs their
 forward and backward passes through the chains (training sessions of the inference protocol, with
 no compression), and then tells every replica it used to take its optimizer step. Every
 `sync_every` steps it starts the outer step, stage by stage, with the replicas that answer.
@@ -23,16 +23,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from p2pfusion.client.replicas import chains, served, split_rows, stages
-from p2pfusion.client.session import InferenceSession
-from p2pfusion.client.training import split_batch
+from p2pfusion.client.run.replicas import chains, served, split_rows, stages
+from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.tune.steps import split_batch
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import P2PFusionError, PeerFailed, RequestError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.net import probe
-from p2pfusion.net import train_messages as t
-from p2pfusion.net.train_calls import call, fetch_state, status
+from p2pfusion.net import run_messages as t
+from p2pfusion.net.run_calls import call, fetch_state, status
 from p2pfusion.net.compression import Purpose
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 A `Verifier` wraps one ResilientSession. It keeps the final hidden states the route returned for
 every position. A check sends the positions since the last check through a second route that
 avoids the session's peers where the swarm allows (its *shadow* session, kept open between checks,
-so a check costs those positions only) and compares (client/verify.py). On a mismatch it replays
+so a check costs those positions only) and compares (client/checks/policy.py). On a mismatch it replays
 the inputs hop by hop in sessions of one hop: hop k gets the agreed output of hop k-1, and its
 output is compared with other peers of the same layers (a witness, then a third opinion to decide,
 or else the client's own computation of those layers from its copy of the weights). The peer
@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from p2pfusion.client.failover import LONG_STEP_TIMEOUT, ResilientSession, SwarmAccess, cut, joined
-from p2pfusion.client.session import InferenceSession
-from p2pfusion.client.verify import (
+from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession, SwarmAccess, cut, joined
+from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.checks.policy import (
     Culprit,
     alternative_route,
     digest,
@@ -38,7 +38,7 @@ from p2pfusion.client.verify import (
 )
 from p2pfusion.dht.records import MAX_WITNESSES, FaultReport, PeerRecord
 from p2pfusion.errors import PeerFailed, RouteError
-from p2pfusion.models.adapters import layer_of
+from p2pfusion.models.tuning import layer_of
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_stage
 from p2pfusion.net import messages as m

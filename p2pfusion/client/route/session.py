@@ -1,8 +1,8 @@
 """An inference session through one route of peers: hidden states in at the first hop, out at the last.
 
 It reports a dead peer as PeerFailed (naming it when it can), and remembers peers that announced
-they are leaving; `p2pfusion.client.failover` builds a new route and replays around both. What
-the hops send back is weighed by `p2pfusion.client.trust`: results only from the last hop, on
+they are leaving; `p2pfusion.client.route.failover` builds a new route and replays around both. What
+the hops send back is weighed by `p2pfusion.client.route.claims`: results only from the last hop, on
 the stream to it; a claim that some peer failed or is leaving only from that peer, or once the
 client's own ping confirms it.
 """
@@ -16,8 +16,8 @@ import uuid
 
 import torch
 
-from p2pfusion.client.reach import Answer, ping
-from p2pfusion.client.trust import FalseClaim, Stream, admitted, blamed, claim_subject, needs_probe
+from p2pfusion.client.route.pings import Answer, ping
+from p2pfusion.client.route.claims import FalseClaim, Stream, admitted, blamed, claim_subject, needs_probe
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m

@@ -1,7 +1,7 @@
 """A session kept open across generations (`Conversation`), and what a generation returns.
 
 The peers keep the KV caches of the tokens a conversation sent, so a chat's later turns send only
-their new tokens; the session's replay history and the local layers' cache (client/local_layers.py)
+their new tokens; the session's replay history and the local layers' cache (client/generate/local_layers.py)
 belong to it too.
 """
 
@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p2pfusion.client.adapters import Adapter
-from p2pfusion.client.failover import ResilientSession
-from p2pfusion.client.health import save_observed
-from p2pfusion.client.local_layers import LocalRun
-from p2pfusion.client.verifier import Verifier
+from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.route.health import save_observed
+from p2pfusion.client.generate.local_layers import LocalRun
+from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.errors import PromptTooLong, RequestError, RouteError
 
 if TYPE_CHECKING:
-    from p2pfusion.client.generation import RemoteCausalLM
+    from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Conversation:
         """Continue `input_ids` (the whole sequence, earlier calls' tokens included) with up to
         `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
         leaves the session ready for the next call. With verification on, `on_token` gets tokens
-        once the results they came from are checked (see client/verifier.py)."""
+        once the results they came from are checked (see client/checks/verifier.py)."""
         started = time.perf_counter()
         model = self.model
         if not input_ids:

@@ -1,4 +1,4 @@
-"""Checking peers' results: pure policies (no network), used by p2pfusion.client.verifier.
+"""Checking peers' results: pure policies (no network), used by p2pfusion.client.checks.verifier.
 
 A check compares the final hidden states the session's route returned with those of another route
 for the same inputs, per position, as a relative L2 error. Honest routes differ only by rounding,
@@ -16,7 +16,7 @@ from enum import Enum
 import torch
 
 from p2pfusion.dht.records import FaultReport, PeerRecord
-from p2pfusion.client.routing import expected_throughput, usable
+from p2pfusion.client.route.planner import expected_throughput, usable
 from p2pfusion.errors import RequestError
 from p2pfusion.net.codecs import Codec
 from p2pfusion.net.compression import AUTO

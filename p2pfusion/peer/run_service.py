@@ -1,4 +1,4 @@
-"""A training replica's side of the training-run protocol (net/train_messages.py): the driver's
+"""A training replica's side of the training-run protocol (net/run_messages.py): the driver's
 steps, the outer steps with the stage's other replicas, and its state for replicas that join.
 
 Optimizer work runs on the stage's compute thread, between micro-batches, never beside them.
@@ -17,12 +17,12 @@ from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError, PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
-from p2pfusion.net import train_messages as t
+from p2pfusion.net import run_messages as t
 from p2pfusion.net.averaging import GroupAverager
 from p2pfusion.net.clients import Source
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.framing import FrameError, FrameLimits, read_frame
-from p2pfusion.net.train_calls import fetch_state, status
+from p2pfusion.net.run_calls import fetch_state, status
 from p2pfusion.peer.replica import InnerHyper, OuterHyper, Replica
 from p2pfusion.peer.scheduler import Scheduler
 from p2pfusion.peer.server import StageServer

@@ -1,6 +1,6 @@
 """Many generations at once from one process: `SwarmLM` for asyncio code, `SwarmLMSync` for threads.
 
-Both are thin around the client core the CLI uses (`RemoteCausalLM`, client/generation.py): one
+Both are thin around the client core the CLI uses (`RemoteCausalLM`, client/generate/causal_lm.py): one
 swarm node and transport, one head and tokenizer, and one record of peers' health, speed and trust
 serve every call, and each call gets a session of its own. The synchronous API runs that core on a
 loop of its own thread (client/loop.py), so calls from many threads at once all run concurrently
@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from p2pfusion.client.adapters import Adapter
-from p2pfusion.client.conversation import Generated
-from p2pfusion.client.generation import RemoteCausalLM
+from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.client.generate.conversation import Generated
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.stops import StopText, cut_at_stop
-from p2pfusion.client.text import TextPieces
+from p2pfusion.client.generate.stops import StopText, cut_at_stop
+from p2pfusion.client.generate.text import TextPieces
 from p2pfusion.models.formats import WeightFormat
-from p2pfusion.client.trusted import TrustedPeers
-from p2pfusion.client.verify import DEFAULT_RATE, check_rate
+from p2pfusion.client.route.allowlist import TrustedPeers
+from p2pfusion.client.checks.policy import DEFAULT_RATE, check_rate
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
 from p2pfusion.models.source import ModelSource, resolve_model
@@ -40,7 +40,7 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 @dataclass
 class Piece:
-    """One token of a stream, as soon as it is sure (see client/verifier.py)."""
+    """One token of a stream, as soon as it is sure (see client/checks/verifier.py)."""
 
     token_id: int
     # what it adds to the text: empty while it ends inside a multi-byte character or may begin a
@@ -61,7 +61,7 @@ class GenerationRequest:
     stop_at_eos: bool
     adapter: Adapter | None
     top_p: float = 1.0
-    stop: tuple[str, ...] = ()  # the text ends before the first of these (client/stops.py)
+    stop: tuple[str, ...] = ()  # the text ends before the first of these (client/generate/stops.py)
 
 
 class SwarmLM:
