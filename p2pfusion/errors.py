@@ -1,4 +1,12 @@
-"""Errors that reach users as one clear line (the CLI prints them without a traceback)."""
+"""Errors that reach users as one clear line (the CLI prints them without a traceback).
+
+Each says whose move it is: `RouteError`, the swarm's (it cannot serve this now: a gap, peers
+unreachable or busy; try again later); `RequestError`, the caller's (the request is malformed);
+`ConfigError`, this process's owner's (a file, port or option of its own is unusable);
+`ModelError`, the model's (it cannot be found, read or run); `ProofError`, a remote party's (it
+failed to prove who it is or that it belongs to the swarm). The HTTP API answers each with its own
+status (api/errors.py). Anything else that escapes is a bug of ours, never blamed on a peer.
+"""
 
 
 class P2PFusionError(Exception):
@@ -9,8 +17,16 @@ class ModelError(P2PFusionError):
     """The model cannot be found, read, or is of an unsupported architecture."""
 
 
+class ConfigError(P2PFusionError):
+    """This process's own setup is unusable: a secret or identity file, a port, options that conflict."""
+
+
+class ProofError(P2PFusionError):
+    """A peer or client failed to prove itself: a bad signature or certificate, no proof of the swarm secret."""
+
+
 class RouteError(P2PFusionError):
-    """The swarm cannot serve a request (layers missing, peers unreachable)."""
+    """The swarm cannot serve a request now (layers missing, peers unreachable or busy)."""
 
 
 class RequestError(P2PFusionError):
@@ -27,6 +43,10 @@ class PeerFailed(RouteError):
     def __init__(self, message: str, peer_id: str | None):
         super().__init__(message)
         self.peer_id = peer_id
+
+
+class PeerUnreachable(PeerFailed):
+    """No stream to a peer could be opened: its direct address and libp2p both failed, or timed out."""
 
 
 class PeerBusy(PeerFailed):

@@ -135,7 +135,7 @@ async def bench(args, source: ModelSource, maddrs: list[str], url: str) -> Resul
     swarm = await join_swarm(maddrs, client_mode=True)
     results = Results()
     try:
-        model = RemoteCausalLM(source, swarm)
+        model = RemoteCausalLM.build(source, swarm)
         async with httpx2.AsyncClient(timeout=600) as http:
             await via_api(http, url, source.name, prompt(0), 2)  # warm-up: connections, links, caches
             await via_core(model, prompt(0), 2)

@@ -46,6 +46,7 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.net import messages as m
+from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
 from p2pfusion.net.transport import _split_addr
 
@@ -94,14 +95,14 @@ async def slowloris(maddrs, key, hidden):
             await asyncio.sleep(1)
 
 
-async def _open_one_hop(client, record, max_length, batch=1):
+async def _open_one_hop(client, record, length, batch=1):
     reader, writer = await client.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL)
     sid = os.urandom(8).hex()
     sink_reader, sink = await client.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL)
     await write_frame(sink, m.to_header(m.Subscribe(sid)))
     await read_frame(sink_reader)
     hop = m.Hop(record.peer_id, record.data_addrs, record.start, record.end)
-    await write_frame(writer, m.to_header(m.Open(sid, max_length, [hop], "none", batch=batch)))
+    await write_frame(writer, m.to_header(m.Open(sid, length, [hop], Codec.NONE, batch=batch)))
     await read_frame(reader)
     return reader, writer, sink_reader, sink
 
@@ -144,14 +145,14 @@ async def prefill_flood(maddrs, key, hidden):
     source = resolve_model(None)
     client = await join_swarm(maddrs, client_mode=True)
     via_libp2p(client)
-    model = RemoteCausalLM(source, client)
+    model = RemoteCausalLM.build(source, client)
 
     done = [0]
 
     async def loop():
         while True:
             try:
-                session = await model._access().session(2048, batch=4).open()
+                session = await model.core.session(2048, batch=4).open()
                 try:
                     await session.step(torch.randn(4, 2048, hidden))
                     done[0] += 1
@@ -171,11 +172,11 @@ async def session_flood(maddrs, key, hidden):
     source = resolve_model(None)
     client = await join_swarm(maddrs, client_mode=True)
     via_libp2p(client)
-    model = RemoteCausalLM(source, client)
+    model = RemoteCausalLM.build(source, client)
     held, refused = [], []
     for i in range(60):  # the user starts once 10 are held; the rest open while it generates
         try:
-            session = await model._access().session(2048).open()
+            session = await model.core.session(2048).open()
             await session.step(torch.randn(1, 2000, hidden))
             held.append(session)
         except P2PFusionError as exc:
@@ -281,7 +282,7 @@ async def _user(source, maddrs, tokens):
     t0 = time.perf_counter()
     client = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM.build(source, client)
         ids = model.encode(PROMPT, chat=True)
         result = await model.generate(ids, tokens)
     finally:
@@ -315,7 +316,7 @@ def main() -> None:
         parser.error(f"unknown attacks: {sorted(unknown)}")
     source = resolve_model(None)
     reference = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
-    ids = RemoteCausalLM(source).encode(PROMPT, chat=True)
+    ids = RemoteCausalLM.build(source).encode(PROMPT, chat=True)
     with torch.no_grad():
         expected = reference.generate(torch.tensor([ids]), max_new_tokens=args.tokens, do_sample=False)[0, len(ids):].tolist()
     hidden = reference.config.hidden_size

@@ -63,7 +63,7 @@ def _launch(swarm: LocalSwarm, setup: str):
 async def _generate(source, maddrs, tokens, victim):
     client = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, client, verify=0.0)  # the stall of failover alone
+        model = RemoteCausalLM.build(source, client, verify=0.0)  # the stall of failover alone
         ids = model.encode(PROMPT, chat=True)
         stamps = []
 
@@ -81,7 +81,7 @@ async def _generate(source, maddrs, tokens, victim):
 def reference_tokens(source, tokens: int) -> list[int]:
     """transformers' own greedy tokens for the prompt: what every run must produce."""
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
-    ids = RemoteCausalLM(source).encode(PROMPT, chat=True)
+    ids = RemoteCausalLM.build(source).encode(PROMPT, chat=True)
     with torch.no_grad():
         out = model.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)
     return out[0, len(ids):].tolist()

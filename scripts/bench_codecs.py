@@ -21,7 +21,8 @@ import torch
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage
-from p2pfusion.net.codecs import Codec, pack, unpack
+from p2pfusion.net.codecs import pack, unpack
+from p2pfusion.net.compression import Codec
 
 PROMPTS = [
     "What is the capital of France?",
@@ -87,7 +88,7 @@ def main() -> None:
         print(f"{codec.value:10} {speed / 1e6:16.0f} {ratio:12.2f}")
 
     source = resolve_model(None)
-    model = RemoteCausalLM(source)
+    model = RemoteCausalLM.build(source)
     stages = [load_stage(source, a, b) for a, b in ((0, 10), (10, 20), (20, 30))]
     prompts = [model.encode(p, chat=True) for p in PROMPTS[: args.prompts]]
     reference = [greedy(model, stages, ids, args.tokens, None) for ids in prompts]

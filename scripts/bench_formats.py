@@ -85,7 +85,7 @@ def main() -> None:
         formats.insert(0, WeightFormat.FLOAT32)
 
     source = resolve_model(None)
-    model = RemoteCausalLM(source)
+    model = RemoteCausalLM.build(source)
     layers = model.config.num_hidden_layers
     stages = {}
     for fmt in tqdm(formats, desc="loading formats", file=sys.stderr):

@@ -68,8 +68,8 @@ async def swarm_runs(source, maddrs, local, ids, batch, args) -> dict[str, list[
     swarm = await join_swarm(maddrs, client_mode=True)
     results = {"local_tps": [], "swarm_tps": [], "plain_tps": [], "local_batch": [], "swarm_batch": []}
     try:
-        model = RemoteCausalLM(source, swarm)
-        plain = RemoteCausalLM(source, swarm, screen_head=False)
+        model = RemoteCausalLM.build(source, swarm)
+        plain = RemoteCausalLM.build(source, swarm, screen_head=False)
         for warm in (model, plain):  # connections, links, caches
             await warm.generate(ids, 2, stop_at_eos=False)
         await swarm_batch_seconds(model, batch)
@@ -96,7 +96,7 @@ def main() -> None:
 
     source = resolve_model(None)
     local = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
-    ids = RemoteCausalLM(source).encode(PROMPT, chat=True)
+    ids = RemoteCausalLM.build(source).encode(PROMPT, chat=True)
     batch = torch.randint(0, local.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     print(f"model {source.name}, prompt {len(ids)} tokens, {args.tokens} new tokens, batch 4x128, "
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)

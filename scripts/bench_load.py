@@ -211,7 +211,7 @@ def via_libp2p(client) -> None:
 async def abuse(kind: str, maddrs: list[str]) -> None:
     client = await join_swarm(maddrs, client_mode=True)
     via_libp2p(client)
-    model = RemoteCausalLM(resolve_model(None), client, verify=0.0)
+    model = RemoteCausalLM.build(resolve_model(None), client, verify=0.0)
     hidden = model.config.hidden_size
     tally = {"held": 0, "refused": 0, "prefills": 0}
     held, last_refusal, start = [], [""], time.monotonic()
@@ -300,7 +300,7 @@ async def bench(args, source, local, pad: int, swarm: LocalSwarm) -> tuple[list[
     client = await join_swarm(swarm.maddrs, client_mode=True)
     pids = [p.pid for p in swarm.processes]
     try:
-        model = RemoteCausalLM(source, client, verify=0.0)
+        model = RemoteCausalLM.build(source, client, verify=0.0)
         warm = prompts(model, 2)
         await asyncio.gather(*(model.generate(ids, 2, stop_at_eos=False, decode=False) for ids in warm))
         rows = []

@@ -49,7 +49,7 @@ def kv_bytes_per_token(config, layers: int, element: int = 4) -> int:
 async def runs(source, maddrs, args) -> dict:
     swarm = await join_swarm(maddrs, client_mode=True)
     try:
-        models = {k: RemoteCausalLM(source, swarm, verify=args.verify, local_layers=k) for k in (0, args.local_layers)}
+        models = {k: RemoteCausalLM.build(source, swarm, verify=args.verify, local_layers=k) for k in (0, args.local_layers)}
         prompts = [models[0].encode(text, chat=True) for text in PROMPTS]
         print(f"prompts of {', '.join(str(len(ids)) for ids in prompts)} tokens", file=sys.stderr)
         await models[0].generate(prompts[0], 2, stop_at_eos=False)  # connections, links, caches

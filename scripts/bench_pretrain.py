@@ -108,7 +108,7 @@ class progress:
 
 
 def swarm_run(source, data, held_out, layout, settings, run: str, churn=False, workdir=None) -> dict:
-    fixed = ["--throughput", "100", "--train", run, "--max-length", str(held_out.shape[1])]
+    fixed = ["--throughput", "100", "--train", run, "--session-limit", str(held_out.shape[1])]
     with LocalSwarm(model=None) as swarm:
         first = swarm.launch(layout[0], fixed)
         swarm.wait_ready(first)

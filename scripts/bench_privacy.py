@@ -32,7 +32,8 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from p2pfusion.models.source import resolve_model
-from p2pfusion.net.codecs import Codec, pack
+from p2pfusion.net.codecs import pack
+from p2pfusion.net.compression import Codec
 
 _spec = importlib.util.spec_from_file_location("privacy_attacks", Path(__file__).with_name("privacy_attacks.py"))
 attacks = importlib.util.module_from_spec(_spec)

@@ -60,7 +60,7 @@ async def measure(source, maddrs: list[str], gateway: str, ids: list[int], batch
     results = {}
     try:
         for codec in dict.fromkeys(INFERENCE_CODECS + TRAINING_CODECS):
-            model = RemoteCausalLM(source, client, compression=codec)
+            model = RemoteCausalLM.build(source, client, compression=codec)
             speeds, forwards, steps = [], [], []
             if codec in INFERENCE_CODECS:
                 await model.generate(ids, 2, stop_at_eos=False)  # warm-up: connections and link probes
@@ -93,7 +93,7 @@ def main() -> None:
         print(f"bench_slow_links: error: {reason}", file=sys.stderr)
         sys.exit(2)
     source = resolve_model(None)
-    model = RemoteCausalLM(source)
+    model = RemoteCausalLM.build(source)
     ids = model.encode(PROMPT, chat=True)
     batch = torch.randint(0, model.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
     table = {}

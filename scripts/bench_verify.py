@@ -134,11 +134,11 @@ def detections(source, args, ids) -> None:
 
     async def run(client, verify: float):
         for attempt in range(3):  # a lookup on this busy 2-core machine may miss a record
-            model = RemoteCausalLM(source, client, compression="none", verify=verify)
-            model.health.observed = {liar_id: 1e6, honest_id: 1.0}  # routes go through the liar
+            model = RemoteCausalLM.build(source, client, compression="none", verify=verify)
+            model.core.health.observed = {liar_id: 1e6, honest_id: 1.0}  # routes go through the liar
             try:
                 result = await model.generate(ids, args.tokens, stop_at_eos=False, decode=False)
-                return result, liar_id in model._access().distrusted
+                return result, liar_id in model.core.access().distrusted
             except RouteError:
                 if attempt == 2:
                     raise
@@ -187,7 +187,7 @@ def cost(source, args, ids) -> None:
         async def run(verify: float) -> float:
             client = await join_swarm(swarm.maddrs, client_mode=True)
             try:
-                model = RemoteCausalLM(source, client, verify=verify)
+                model = RemoteCausalLM.build(source, client, verify=verify)
                 result = await model.generate(ids, args.tokens, stop_at_eos=False, decode=False)
                 return len(result.token_ids) / (result.prefill_seconds + result.decode_seconds)
             finally:
@@ -220,7 +220,7 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown corruptions: {sorted(unknown)}")
     source = resolve_model(args.model)
-    model = RemoteCausalLM(source)
+    model = RemoteCausalLM.build(source)
     ids = model.encode(PROMPT, chat=True)
     detections(source, args, ids)
     if not args.skip_cost:

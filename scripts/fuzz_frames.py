@@ -121,7 +121,7 @@ def header(draws: Draws, kind: str) -> dict:
 
 def plausible(draws: Draws, name: str):
     if name in ("session_id", "peer_id", "failed_peer", "digest", "adapter", "message", "code"):
-        return draws.pick(["s", "p" * 128, "p" * 129, "", m.BUSY, m.EXPIRED])
+        return draws.pick(["s", "p" * 128, "p" * 129, "", m.ErrorCode.BUSY, m.ErrorCode.EXPIRED])
     if name == "route":
         return [hop(draws) for _ in range(draws.pick([0, 1, 2, 257]))]
     if name == "timings":

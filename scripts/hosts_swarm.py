@@ -31,7 +31,7 @@ from p2pfusion.models.source import resolve_model
 async def ask(source, maddrs: list[str], prompt: str, tokens: int) -> str:
     client = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM.build(source, client)
         result = await model.generate(model.encode(prompt, chat=True), tokens)
         return f"{result.text.strip()!r} ({len(result.token_ids)} tokens, recoveries {result.recoveries})"
     finally:

@@ -27,7 +27,8 @@ import torch
 from transformers import DynamicCache
 
 from p2pfusion.models.cache_arg import cache_arg
-from p2pfusion.net.codecs import Codec, pack, unpack
+from p2pfusion.net.codecs import pack, unpack
+from p2pfusion.net.compression import Codec
 
 NN_CHUNK = 256  # states scored against the vocabulary at once: 256 x 49152 floats is 50 MB
 BATCHES = (4, 32, 128)  # candidate batch sizes, then the last one repeated: most positions need the first only

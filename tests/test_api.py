@@ -36,7 +36,7 @@ from tests.tiny_chat import char_tokenizer
 POSITIONS = 8192  # room for a reply that lasts long after the disconnect test is done with it
 TOKENS = 8
 KEY = "sesame"
-PEER_OPTIONS = ["--throughput", "100", "--max-length", str(POSITIONS)]
+PEER_OPTIONS = ["--throughput", "100", "--session-limit", str(POSITIONS)]
 
 
 def _chat_model(folder: Path, seed: int) -> ModelSource:
@@ -71,7 +71,7 @@ class Swarm:
 
     def sessions(self) -> list[int]:
         """The open sessions each peer of model A announces."""
-        records = self.loop.run(self.lm.core.swarm.lookup(self.a.key))
+        records = self.loop.run(self.lm.model.core.swarm.lookup(self.a.key))
         return [r.sessions for r in sorted(records, key=lambda r: r.start)]
 
     def greedy(self, ids: list[int], tokens: int = TOKENS) -> list[int]:

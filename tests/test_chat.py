@@ -7,11 +7,11 @@ import io
 import pytest
 import torch
 import uvloop
+from transformers import AutoTokenizer
 
 from p2pfusion.cli.chat import Chat, run_chat
-from p2pfusion.cli.commands import client_model, join
+from p2pfusion.cli.commands import client_model
 from p2pfusion.cli.main import build_parser
-from p2pfusion.client.generate.causal_lm import load_tokenizer
 from p2pfusion.client.loop import BackgroundLoop
 from tests.conftest import reference_model
 from tests.swarm import peers_in_background
@@ -34,13 +34,13 @@ def chat(chat_swarm):
     args = build_parser().parse_args(["chat", "--model", str(source.folder), "--initial-peers", maddrs[0]])
     model = client_model(args)
     loop = BackgroundLoop("test-chat")
-    swarm = loop.run(join(model, maddrs))
+    loop.run(model.core.join(maddrs))
     session = Chat(model, loop, REPLY)
     try:
         yield session
     finally:
         loop.run(session.conversation.close())
-        loop.run(swarm.shutdown())
+        loop.run(model.core.leave())
         loop.close()
 
 
@@ -142,7 +142,7 @@ def test_chat_command_reads_stdin_until_eof(chat_swarm):
     assert "Traceback" not in err
     assert "connecting to the swarm" in err.splitlines()[0]
     assert "\r" not in err and "%|" not in err  # no progress bars in a redirected log
-    tokenizer = load_tokenizer(source)
+    tokenizer = AutoTokenizer.from_pretrained(source.folder)
     _, reply = _greedy(source, tokenizer, [_user("hello")])
     text = tokenizer.decode(reply, skip_special_tokens=True)
     _, second = _greedy(source, tokenizer, [_user("hello"), {"role": "assistant", "content": text}, _user("hello")])

@@ -32,7 +32,7 @@ def _reference(source, ids, tokens=32):
 async def _generate(source, maddrs, ids, on_token):
     client = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, client, verify=0.0)  # failover timing, not checks
+        model = RemoteCausalLM.build(source, client, verify=0.0)  # failover timing, not checks
         return await model.generate(ids, 32, on_token=on_token)
     finally:
         await client.shutdown()
@@ -134,7 +134,7 @@ def test_one_backup_promotes_when_its_stage_loses_its_peer(tiny_models):
                     states = sorted(b.record.state.value for b in backups)
                     client = await join_swarm(maddrs, client_mode=True)
                     try:
-                        model = RemoteCausalLM(source, client)
+                        model = RemoteCausalLM.build(source, client)
                         session = await model.open_session(8)
                         logits = model.logits(await session.step(model.embed(ids)))
                         await session.close()
@@ -159,7 +159,7 @@ def test_graceful_leave_moves_the_session_without_error(tiny_models):
     async def scenario():
         async with running_peers(source, [(0, 2), (2, 4), (2, 4)]) as (peers, maddrs):
             client = await join_swarm(maddrs, client_mode=True)
-            model = RemoteCausalLM(source, client)
+            model = RemoteCausalLM.build(source, client)
             leaving = []
 
             def on_token(_token):
@@ -190,7 +190,7 @@ def test_a_peer_that_moves_away_and_back_is_used_again(tiny_models):
     async def scenario():
         async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
             client = await join_swarm(maddrs, client_mode=True)
-            model = RemoteCausalLM(source, client)
+            model = RemoteCausalLM.build(source, client)
             try:
                 session = await model.open_session(32)
                 tokens = [await model.next_token(await session.step(model.embed(ids)), 0.0, None)]

@@ -151,7 +151,7 @@ def test_swarm_missing_layers_are_named(default_model):
     (["chat", "--max-new-tokens", "-5"], "argument --max-new-tokens: expected a whole number >= 1"),
     (["infer", "--seed", "-1"], "argument --seed: expected a whole number >= 0"),
     (["chat", "--seed", "x"], "argument --seed: expected a whole number >= 0, got 'x'"),
-    (["run-peer", "--max-length", "0"], "argument --max-length: expected a whole number >= 1"),
+    (["run-peer", "--session-limit", "0"], "argument --session-limit: expected a whole number >= 1"),
     (["run-peer", "--port", "65536"], "argument --port: expected a whole number in 0..65535"),
     (["run-peer", "--data-port", "-1"], "argument --data-port: expected a whole number in 0..65535"),
     (["run-peer", "--max-layers", "0"], "argument --max-layers: expected a whole number >= 1"),

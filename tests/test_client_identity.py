@@ -7,7 +7,7 @@ import pytest
 import uvloop
 
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import ProofError
 from p2pfusion.net.clients import ClientKey, Source, client_of
 from p2pfusion.net.framing import encode
 from p2pfusion.net.identity import Identity, PeerProofs, peer_of
@@ -22,13 +22,13 @@ def test_a_proof_names_its_client_and_holds_only_for_its_peer():
     assert client_of(key.proof(PEER), PEER) == client  # one client, one name
     assert client_of(other.proof(PEER), PEER) != client
     assert client_of(None, PEER) is None  # no proof: the address alone
-    with pytest.raises(RouteError, match="does not hold"):
+    with pytest.raises(ProofError, match="does not hold"):
         client_of(key.proof(PEER), "QmPeerB")  # a proof made for another peer
     forged = {"key": other.proof(PEER)["key"], "sig": key.proof(PEER)["sig"]}
-    with pytest.raises(RouteError, match="does not hold"):
+    with pytest.raises(ProofError, match="does not hold"):
         client_of(forged, PEER)
     for bad in ("x", {"key": b"k"}, {"key": b"k" * 500, "sig": b"s"}, {"key": b"not der", "sig": b"s"}):
-        with pytest.raises(RouteError):
+        with pytest.raises(ProofError):
             client_of(bad, PEER)
     assert Source("ip:10.0.0.1", client).fairness == f"ip:10.0.0.1/{client}"
     assert Source("peer:Qm").fairness == "peer:Qm"
@@ -39,13 +39,13 @@ def test_a_peer_proof_names_its_peer_id_and_holds_only_for_the_peer_dialled():
     proofs = PeerProofs(identity)
     assert peer_of(proofs.proof(PEER), PEER) == identity.peer_id
     assert peer_of(None, PEER) is None
-    with pytest.raises(RouteError, match="does not hold"):
+    with pytest.raises(ProofError, match="does not hold"):
         peer_of(proofs.proof(PEER), "QmPeerB")
     forged = {"key": other.public_key_proto, "sig": proofs.proof(PEER)["sig"]}
-    with pytest.raises(RouteError, match="does not hold"):
+    with pytest.raises(ProofError, match="does not hold"):
         peer_of(forged, PEER)
     for bad in ("x", {"key": b"k"}, {"key": b"k" * 900, "sig": b"s"}, {"key": b"\xff\xff", "sig": b"s"}):
-        with pytest.raises(RouteError):
+        with pytest.raises(ProofError):
             peer_of(bad, PEER)
 
 

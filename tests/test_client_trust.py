@@ -45,8 +45,8 @@ class Swarm:
 
     def model(self) -> RemoteCausalLM:
         # a fresh client each time: nothing it learned in one attack carries into the next
-        model = RemoteCausalLM(self.source, self.client, compression="none", verify=0.0)
-        model.health.observed.clear()  # what the last one saved in the cache
+        model = RemoteCausalLM.build(self.source, self.client, compression="none", verify=0.0)
+        model.core.health.observed.clear()  # what the last one saved in the cache
         return model
 
     def generate(self, model: RemoteCausalLM):
@@ -124,8 +124,8 @@ def test_a_forged_result_on_the_head_stream_never_becomes_the_output(swarm):
     assert result.token_ids == swarm.expected
     assert result.recoveries == 0  # the frames were dropped; the session went on
     assert swarm.forger.server.sessions_opened >= 1  # it was on the route
-    assert ids["forger"] in model.health.bans  # the frames count against it once the session ends
-    assert ids["last"] not in model.health.bans
+    assert ids["forger"] in model.core.health.bans  # the frames count against it once the session ends
+    assert ids["last"] not in model.core.health.bans
 
 
 def test_a_forged_failure_of_a_peer_off_the_route_bans_only_the_forger(swarm):
@@ -134,7 +134,7 @@ def test_a_forged_failure_of_a_peer_off_the_route_bans_only_the_forger(swarm):
     model, result, _ = swarm.attacked(lambda step, out: [(m.to_header(forged), None)] if step == 2 else [])
     assert result.token_ids == swarm.expected
     assert result.recoveries == 1
-    assert set(model.health.bans) == {ids["forger"]}  # the honest peer named is neither banned
+    assert set(model.core.health.bans) == {ids["forger"]}  # the honest peer named is neither banned
     reports = swarm.loop.run(swarm.client.unreachable_reports(swarm.source.key))
     assert ids["honest"] not in {r.peer_id for r in reports}  # nor reported
 
@@ -145,7 +145,7 @@ def test_a_forged_leaving_of_the_only_server_costs_seconds_not_the_generation(sw
     assert result.token_ids == swarm.expected
     assert seconds < 10.0
     # the client pinged `last`, found it serving, and held the hop before it to account
-    assert set(model.health.bans) == {ids["forger"]}
+    assert set(model.core.health.bans) == {ids["forger"]}
 
 
 def test_forged_timings_do_not_make_a_peer_fast_or_another_slow(swarm):
@@ -165,7 +165,7 @@ def test_forged_timings_do_not_make_a_peer_fast_or_another_slow(swarm):
     finally:
         del server._send_onward
     assert result.token_ids == swarm.expected
-    observed = model.health.observed
+    observed = model.core.health.observed
     # both hops get this client's own time per token, shared by layer: the same per-layer rate
     assert observed[ids["forger"]] == pytest.approx(observed[ids["last"]])
     assert 10.0 < observed[ids["last"]] < 1e6  # the forged figures would give 0.02 and 2e9
@@ -173,11 +173,11 @@ def test_forged_timings_do_not_make_a_peer_fast_or_another_slow(swarm):
 
 def test_busy_and_expired_move_the_session_without_a_ban(swarm):
     ids = swarm.ids
-    for code in (m.BUSY, m.EXPIRED):
+    for code in (m.ErrorCode.BUSY, m.ErrorCode.EXPIRED):
         error = m.Error(message=f"{code} on {ids['forger']}", failed_peer=ids["forger"], code=code)
         model, result, seconds = swarm.attacked(lambda step, out: [(m.to_header(error), None)] if step == 2 else [])
         assert result.token_ids == swarm.expected, code
-        assert model.health.bans == {}, code
+        assert model.core.health.bans == {}, code
         assert seconds < 10.0
     reports = swarm.loop.run(swarm.client.unreachable_reports(swarm.source.key))
     assert ids["forger"] not in {r.peer_id for r in reports}, reports
@@ -224,7 +224,7 @@ def test_tarpit_records_cost_seconds(swarm):
         server.close()
     assert result.token_ids == swarm.expected
     assert seconds < 12.0  # one ping timeout for all of them, where each used to cost 30 s
-    assert {n.peer_id for n in nodes} <= set(model.health.bans)
+    assert {n.peer_id for n in nodes} <= set(model.core.health.bans)
 
 
 def test_a_network_error_reaching_the_cli_is_one_line(monkeypatch, capsys):
@@ -243,4 +243,4 @@ def test_a_made_up_refusal_is_checked_on_other_peers(swarm):
     refusal = m.Error(message="hidden states must be float16, got float32", step=2)
     model, result, _ = swarm.attacked(lambda step, out: [(m.to_header(refusal), None)] if step == 2 else [])
     assert result.token_ids == swarm.expected  # the step went again through the honest 0:2 peer
-    assert ids["forger"] not in model.health.bans and ids["honest"] not in model.health.bans
+    assert ids["forger"] not in model.core.health.bans and ids["honest"] not in model.core.health.bans

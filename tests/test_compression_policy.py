@@ -4,10 +4,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2pfusion.net.codecs import Codec
 from p2pfusion.net.compression import (
+    AUTO,
     GREEDY_SAFE,
     MIN_DENSITY,
+    Codec,
     CodecChoice,
     LinkSpeed,
     Purpose,
@@ -65,13 +66,13 @@ def test_topk_only_on_links_too_slow_for_the_budget():
 
 
 def test_forced_codec_wins():
-    assert choose_codec(LOOPBACK, BATCH, forced="int8") == CodecChoice(Codec.INT8)
-    assert choose_codec(HOME_10M, BATCH, forced="none") == CodecChoice(Codec.NONE)
-    assert choose_codec(None, 4000, forced="topk") == CodecChoice(Codec.TOPK, 100)
+    assert choose_codec(LOOPBACK, BATCH, forced=Codec.INT8) == CodecChoice(Codec.INT8)
+    assert choose_codec(HOME_10M, BATCH, forced=Codec.NONE) == CodecChoice(Codec.NONE)
+    assert choose_codec(None, 4000, forced=Codec.TOPK) == CodecChoice(Codec.TOPK, 100)
 
 
 def test_parse_compression():
-    assert parse_compression("auto") == "auto" and parse_compression("int8") == "int8"
+    assert parse_compression("auto") is AUTO and parse_compression("int8") is Codec.INT8
     with pytest.raises(ValueError, match="choose from auto, none, float16"):
         parse_compression("zstd")
 

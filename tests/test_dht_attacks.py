@@ -43,7 +43,7 @@ def _served(swarm) -> None:
     async def generate():
         client = await join_swarm(maddrs, client_mode=True)
         try:
-            model = RemoteCausalLM(source, client)
+            model = RemoteCausalLM.build(source, client)
             return (await model.generate(IDS, TOKENS, stop_at_eos=False, decode=False)).token_ids
         finally:
             await client.shutdown()

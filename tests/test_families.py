@@ -65,7 +65,7 @@ def test_one_swarm_serves_gemma3_and_phi3_at_once_as_transformers_does(families)
         try:
             listed = {entry.key for entry in await client.models()}
             results = await asyncio.gather(*(
-                RemoteCausalLM(source, client, compression="none", verify=0.0).generate(IDS, NEW, stop_at_eos=False, decode=False)
+                RemoteCausalLM.build(source, client, compression="none", verify=0.0).generate(IDS, NEW, stop_at_eos=False, decode=False)
                 for source in families.values()
             ))
         finally:
@@ -92,7 +92,7 @@ def test_gemma_3_270m_through_three_peers_matches_transformers():
         async with running_peers(source, [(0, 6), (6, 12), (12, 18)]) as (_, maddrs):
             client = await join_swarm(maddrs, client_mode=True)
             try:
-                model = RemoteCausalLM(source, client, compression="none", verify=0.0)
+                model = RemoteCausalLM.build(source, client, compression="none", verify=0.0)
                 return (await model.generate(ids, 6, stop_at_eos=False, decode=False)).token_ids
             finally:
                 await client.shutdown()

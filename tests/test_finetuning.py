@@ -12,7 +12,7 @@ from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.client.tune.steps import split_batch
+from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ModelError, RequestError
 from transformers import LlamaConfig
@@ -115,7 +115,7 @@ def _reference_greedy(reference: LocalReference, ids: torch.Tensor, tokens: int)
 async def _cli_generation(source, maddrs, adapter, ids: list[int], tokens: int) -> list[int]:
     client = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM.build(source, client)
         model.adapter = adapter
         return (await model.generate(ids, tokens, stop_at_eos=False, decode=False)).token_ids
     finally:
@@ -255,12 +255,12 @@ def test_a_peer_dying_mid_step_costs_a_retry_not_the_result(tiny_models):
             randomize(model.adapter)
             reference = LocalReference(source, model.adapter)
             out = model(IDS, attention_mask=MASK, labels=LABELS)
-            route = [hop.peer_id for hop in model.model.client.training.connection.session.route]
+            route = [hop.peer_id for hop in model.model.swarm.tuning.connection.session.route]
             assert route[1] == middle_id  # backups serve only when something failed
             middle.kill()
             middle.wait()
             out.loss.backward()
-            assert model.model.client.training.recoveries >= 1
+            assert model.model.swarm.tuning.recoveries >= 1
             expected = reference(IDS, attention_mask=MASK, labels=LABELS)
             expected.loss.backward()
             assert_same_step(model, out, reference, expected)

@@ -105,7 +105,7 @@ def opened(peers) -> dict[str, int]:
 
 def generate(swarm, minimum: str, verify: float = 0.0):
     source, loop, _, client, _ = swarm
-    model = RemoteCausalLM(source, client, compression="none", verify=verify, min_precision=minimum)
+    model = RemoteCausalLM.build(source, client, compression="none", verify=verify, min_precision=minimum)
     return loop.run(model.generate(IDS, NEW, stop_at_eos=False, decode=False))
 
 
@@ -175,7 +175,7 @@ def test_a_bfloat16_gpu_peer_and_a_float32_gpu_peer_serve_one_route(tiny_models)
     try:
         loop.run(start())
         client = loop.run(join_swarm(maddrs, client_mode=True))
-        model = RemoteCausalLM(source, client, compression="none", verify=0.0)
+        model = RemoteCausalLM.build(source, client, compression="none", verify=0.0)
         result = loop.run(model.generate(IDS, NEW, stop_at_eos=False, decode=False))
         loop.run(client.shutdown())
         assert len(result.token_ids) == NEW and [p.record.weights for p in peers] == ["float32", "bfloat16"]

@@ -47,7 +47,7 @@ def test_lying_tensor_description_is_an_error():
 
 def test_messages_validate_fields():
     assert m.from_header(m.to_header(m.Open("s", 8, [m.Hop("p", ["127.0.0.1:5"], 0, 4)]))) == m.Open("s", 8, [m.Hop("p", ["127.0.0.1:5"], 0, 4)])
-    for bad in ({"kind": "nope"}, {"kind": "open", "session_id": 1, "max_length": 8, "route": []},
-                {"kind": "step", "step": "x"}, {"kind": "open", "session_id": "s", "max_length": 8, "route": [5]}):
+    for bad in ({"kind": "nope"}, {"kind": "open", "session_id": 1, "length": 8, "route": []},
+                {"kind": "step", "step": "x"}, {"kind": "open", "session_id": "s", "length": 8, "route": [5]}):
         with pytest.raises(RequestError):
             m.from_header(bad)

@@ -68,7 +68,7 @@ def test_screen_decides_almost_every_token_of_the_default_model_and_matches_tran
     """At every position of sampled text (varied contexts), the client's greedy token is
     transformers' own greedy choice, and the screen decides it on its own nearly always."""
     local = reference_model(default_model)
-    client = RemoteCausalLM(default_model)
+    client = RemoteCausalLM.build(default_model)
     ids = torch.tensor([client.encode("Tell me about the history of tea.", chat=True)])
     inputs = []  # what the final norm gets: the last peer's output, as the client receives it
     hook = local.model.norm.register_forward_hook(lambda _m, args, _out: inputs.append(args[0][:, -1:]))

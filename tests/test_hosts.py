@@ -28,7 +28,7 @@ def _peer_id(maddrs: list[str]) -> str:
 async def _generate(source, maddrs):
     client = await join_swarm(maddrs, client_mode=True)  # in the test's own namespace
     try:
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM.build(source, client)
         result = await model.generate(IDS, 8, stop_at_eos=False, decode=False)
         records = await client.lookup(source.key)
         return result.token_ids, {r.peer_id: r for r in records}

@@ -12,7 +12,8 @@ from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.net.identity import Identity, IdentityError
+from p2pfusion.errors import ConfigError
+from p2pfusion.net.identity import Identity
 from tests.test_churn import _reference
 
 FIXED = ["--throughput", "100"]
@@ -33,7 +34,7 @@ async def _records(maddrs, model):
 async def _generate(source, maddrs, ids):
     client = await join_swarm(maddrs, client_mode=True)
     try:
-        return (await RemoteCausalLM(source, client).generate(ids, 8, stop_at_eos=False, decode=False)).token_ids
+        return (await RemoteCausalLM.build(source, client).generate(ids, 8, stop_at_eos=False, decode=False)).token_ids
     finally:
         await client.shutdown()
 
@@ -106,7 +107,7 @@ def test_identity_files_are_private_and_kept(tmp_path):
 def test_a_broken_identity_file_is_a_one_line_error(tmp_path):
     path = tmp_path / "peer.key"
     path.write_bytes(b"not a key")
-    with pytest.raises(IdentityError, match="not a readable libp2p identity file"):
+    with pytest.raises(ConfigError, match="not a readable libp2p identity file"):
         Identity.load_or_create(path)
 
 

@@ -1,7 +1,8 @@
 """The package's import rule (docs/architecture.md, Package layout), read from the source with `ast`:
 `models/` and `net/` import no other p2pfusion package but `errors`, `dht/` builds on `net/`, and
 `peer/` and `client/` build on those three and never import each other, `api/` builds on `client/`
-(never `peer/`). Only `cli/` imports both."""
+(never `peer/`). Only `cli/` imports both. Inside `client/`, each room imports only the rooms
+below it (`ROOMS`), and no module of the package imports itself back through others."""
 
 import ast
 from dataclasses import dataclass
@@ -21,6 +22,16 @@ ALLOWED = {
 }
 # `importlib.import_module("p2pfusion.x")` and `__import__` count as imports too
 DYNAMIC_IMPORTERS = {"import_module", "__import__"}
+# client/'s rooms and what each may import of the others; "" is the modules at client/'s top
+# (options, core, loop, survey), which assemble a client from routes and checks
+ROOMS = {
+    "route": set(),
+    "checks": {"route"},
+    "": {"route", "checks"},
+    "tune": {"", "route", "checks"},
+    "run": {"", "route"},
+    "generate": {"", "route", "checks", "tune"},
+}
 
 
 @dataclass(frozen=True)
@@ -52,9 +63,23 @@ def module_name(path: Path, package_dir: Path) -> tuple[list[str], bool]:
     return parts, False
 
 
-def imported_names(tree: ast.AST, module: list[str], is_package: bool):
-    """(line, absolute dotted name) of every import anywhere in a module, functions included."""
+def _typing_only(tree: ast.AST) -> set[int]:
+    """Ids of the import nodes under `if TYPE_CHECKING:`, which run only for type checkers."""
+    hidden = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            hidden.update(id(inner) for stmt in node.body for inner in ast.walk(stmt))
+    return hidden
+
+
+def imported_names(tree: ast.AST, module: list[str], is_package: bool, typing_too: bool = True, names: bool = False):
+    """(line, absolute dotted name) of every import anywhere in a module, functions included
+    (those only type checkers run too, unless `typing_too` is False); with `names`, `from x import
+    y` gives x.y (a module, or else a name in x)."""
+    hidden = set() if typing_too else _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name
@@ -67,7 +92,7 @@ def imported_names(tree: ast.AST, module: list[str], is_package: bool):
                 source = node.module or ""
             for alias in node.names:
                 # `from p2pfusion import client` names a subpackage; `from x import y` is x's
-                yield node.lineno, f"{source}.{alias.name}" if source == module[0] else source
+                yield node.lineno, f"{source}.{alias.name}" if names or source == module[0] else source
         elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
@@ -91,6 +116,68 @@ def violations(package_dir: Path, allowed: dict[str, set[str]] = ALLOWED) -> lis
             if target != own and target not in allowed[own]:
                 found.append(Violation(str(path.relative_to(package_dir.parent)), line, name))
     return sorted(found, key=lambda v: (v.file, v.line))
+
+
+def room_of(name: str, package_dir: Path = PACKAGE) -> str | None:
+    """The room of client/ a dotted module name is in ("" for client's top modules), None outside client/."""
+    parts = name.split(".")
+    if parts[:2] != [package_dir.name, "client"]:
+        return None
+    if len(parts) > 2 and (package_dir / "client" / parts[2]).is_dir():
+        return parts[2]
+    return ""
+
+
+def room_violations(package_dir: Path = PACKAGE) -> list[Violation]:
+    found = []
+    for path in sorted((package_dir / "client").rglob("*.py")):
+        module, is_package = module_name(path, package_dir)
+        own = room_of(".".join(module), package_dir)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for line, name in imported_names(tree, module, is_package):
+            target = room_of(name, package_dir)
+            if target is not None and target != own and target not in ROOMS[own]:
+                found.append(Violation(str(path.relative_to(package_dir.parent)), line, name))
+    return found
+
+
+def import_cycles(package_dir: Path = PACKAGE) -> list[list[str]]:
+    """Cycles among the package's modules (imports that only type checkers run left out)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        module, is_package = module_name(path, package_dir)
+        name = ".".join(module)
+        tree = ast.parse(path.read_text(), filename=str(path))
+        graph[name] = {imported for _, imported in imported_names(tree, module, is_package, False, names=True)}
+    modules = set(graph)
+    for name in graph:  # `from p2pfusion.x import y` names x.y when y is a module, else x
+        graph[name] = {target if target in modules else target.rpartition(".")[0] for target in graph[name]}
+        graph[name] = {target for target in graph[name] if target in modules and target != name}
+    cycles, state = [], {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = "open"
+        for target in sorted(graph[name]):
+            if state.get(target) == "open":
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    return cycles
+
+
+def test_client_rooms_import_only_rooms_below_them():
+    broken = room_violations()
+    assert not broken, "a room of client/ imports one above it (tests/test_import_rule.py, ROOMS):\n" + "\n".join(map(str, broken))
+
+
+def test_no_import_cycle():
+    cycles = import_cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(cycle) for cycle in cycles)
 
 
 def test_package_keeps_its_import_rule():
@@ -125,3 +212,28 @@ def test_rule_catches_every_form_of_import(tmp_path):
         "p2pfusion/net/__init__.py:2 imports p2pfusion.dht",
         "p2pfusion/peer/server.py:4 imports p2pfusion.client",
     ]
+
+
+def test_rooms_and_cycles_are_caught(tmp_path):
+    pkg = tmp_path / "p2pfusion"
+    for part in ("client/route", "client/generate", "client/checks"):
+        (pkg / part).mkdir(parents=True)
+        (pkg / part / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "client" / "__init__.py").write_text("")
+    (pkg / "client" / "core.py").write_text("from p2pfusion.client.route import session\n")  # allowed
+    (pkg / "client" / "route" / "session.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from p2pfusion.client.route import pieces\n"
+        "from p2pfusion.client.generate import engine\n"
+    )
+    (pkg / "client" / "route" / "pieces.py").write_text("from p2pfusion.client.route import session\n")
+    (pkg / "client" / "generate" / "engine.py").write_text("from p2pfusion.client import core\n")
+    (pkg / "client" / "checks" / "verifier.py").write_text("import p2pfusion.client.generate.engine\n")
+    assert [str(v) for v in room_violations(pkg)] == [
+        "p2pfusion/client/checks/verifier.py:1 imports p2pfusion.client.generate.engine",
+        "p2pfusion/client/route/session.py:4 imports p2pfusion.client.generate",
+    ]
+    # session -> engine -> core -> session; pieces -> session -> pieces only for type checkers
+    assert import_cycles(pkg) == [["p2pfusion.client.generate.engine", "p2pfusion.client.core",
+                                   "p2pfusion.client.route.session", "p2pfusion.client.generate.engine"]]
+

@@ -11,7 +11,7 @@ import uvloop
 
 from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.client.route.planner import find_route, session_limit
+from p2pfusion.client.route.planner import find_route, longest_session
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError, RouteError
 from tests.conftest import reference_model
@@ -26,27 +26,27 @@ SHORT = [3, 17, 42, 99, 5, 250, 7, 1, 60, 61]
 
 
 def test_the_limit_is_the_longest_any_route_accepts():
-    records = [rec(0, 2, max_length=16), rec(0, 2, max_length=64, name="long"), rec(2, 4, max_length=128)]
-    assert session_limit(records, 4, positions=8192) == 64
-    assert session_limit(records, 4, positions=32) == 32  # the model's positions bound it too
+    records = [rec(0, 2, session_limit=16), rec(0, 2, session_limit=64, name="long"), rec(2, 4, session_limit=128)]
+    assert longest_session(records, 4, positions=8192) == 64
+    assert longest_session(records, 4, positions=32) == 32  # the model's positions bound it too
     assert [r.peer_id for r in find_route(records, 4, length=64)][0] == "long"
     with pytest.raises(RouteError, match="no peer accepting sessions of 65 tokens serves layers 0:2"):
         find_route(records, 4, length=65)
     with pytest.raises(RouteError, match="no peer serves layers 2:4"):
-        session_limit(records[:2], 4, positions=8192)
+        longest_session(records[:2], 4, positions=8192)
 
 
 async def _through_mixed_peers(source, max_new_tokens: int):
     """Stage 0:2 has a fast peer that accepts 16 tokens and a slow one that accepts 64."""
-    short = await start_peer(source, [], (0, 2), max_length=16, throughput="1000")
+    short = await start_peer(source, [], (0, 2), session_limit=16, throughput="1000")
     initial = await short.swarm.maddrs()
     peers = [short]
     try:
         for layers in ((0, 2), (2, 4)):
-            peers.append(await start_peer(source, initial, layers, max_length=64))
+            peers.append(await start_peer(source, initial, layers, session_limit=64))
         swarm = await join_swarm(initial, client_mode=True)
         try:
-            result = await RemoteCausalLM(source, swarm).generate(LONG, max_new_tokens, stop_at_eos=False, decode=False)
+            result = await RemoteCausalLM.build(source, swarm).generate(LONG, max_new_tokens, stop_at_eos=False, decode=False)
         finally:
             await swarm.shutdown()
         return result, [peer.server.sessions_opened for peer in peers]
@@ -67,7 +67,7 @@ def test_a_long_session_routes_around_peers_that_accept_less(tiny_models, caplog
 def short_swarm(tiny_models, tmp_path_factory):
     """Two tiny-model peers that accept sessions of at most LIMIT tokens."""
     source = with_chat_tokenizer(tiny_models["llama"], tmp_path_factory.mktemp("limit") / "tiny-chat")
-    with peers_in_background(source, [(0, 2), (2, 4)], max_length=LIMIT) as (peers, maddrs, _):
+    with peers_in_background(source, [(0, 2), (2, 4)], session_limit=LIMIT) as (peers, maddrs, _):
         yield source, peers, maddrs
 
 
@@ -78,7 +78,7 @@ def _opened(peers) -> int:
 async def _generate(source, maddrs, ids, max_new_tokens):
     swarm = await join_swarm(maddrs, client_mode=True)
     try:
-        return await RemoteCausalLM(source, swarm, verify=0.0).generate(ids, max_new_tokens, stop_at_eos=False)
+        return await RemoteCausalLM.build(source, swarm, verify=0.0).generate(ids, max_new_tokens, stop_at_eos=False)
     finally:
         await swarm.shutdown()
 

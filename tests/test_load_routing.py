@@ -32,7 +32,7 @@ def _loaded(name: str, throughput: float = 10.0, **load):
 
 
 def test_a_busy_answer_carries_a_bounded_retry_hint_to_the_client():
-    busy = m.Error("peer p busy: no room", failed_peer="p", code=m.BUSY, retry_after=2.0)
+    busy = m.Error("peer p busy: no room", failed_peer="p", code=m.ErrorCode.BUSY, retry_after=2.0)
     assert m.from_header(m.to_header(busy)) == busy
     assert error_for(PeerBusy("peer p busy: no room", "p", 2.0)) == busy  # as the peer answers
     with pytest.raises(PeerBusy) as raised:
@@ -111,8 +111,8 @@ async def _busy_then_elsewhere(source) -> dict:
         seen["spare"] = spare.swarm.peer_id
 
         async def client() -> RemoteCausalLM:
-            model = RemoteCausalLM(source, await join_swarm(maddrs, client_mode=True), compression="none", verify=0.0)
-            model.health.observed.clear()  # other tests' peers of this model: not these, and no cap on them
+            model = RemoteCausalLM.build(source, await join_swarm(maddrs, client_mode=True), compression="none", verify=0.0)
+            model.core.health.observed.clear()  # other tests' peers of this model: not these, and no cap on them
             clients.append(model)
             return model
 
@@ -134,7 +134,7 @@ async def _busy_then_elsewhere(source) -> dict:
         waiting = await client()
 
         async def release():  # once the full peer told the waiting client it is busy
-            while full.swarm.peer_id not in waiting.health.busy:
+            while full.swarm.peer_id not in waiting.core.health.busy:
                 await asyncio.sleep(0.05)
             await held.close()
 
@@ -144,7 +144,7 @@ async def _busy_then_elsewhere(source) -> dict:
         return seen
     finally:
         for model in clients:
-            await model.swarm.shutdown()
+            await model.core.swarm.shutdown()
         for peer in peers:
             await stop_peer(peer)
 

@@ -46,8 +46,8 @@ def greedy(ref, ids: list[int], new: int = NEW) -> list[int]:
 def model_of(swarm, local_layers: int, **options) -> RemoteCausalLM:
     source, _, _, client, _ = swarm
     options.setdefault("verify", 0.0)
-    model = RemoteCausalLM(source, client, compression="none", local_layers=local_layers, **options)
-    model.health.observed = {}  # what earlier runs saw of these peers must not steer the routes
+    model = RemoteCausalLM.build(source, client, compression="none", local_layers=local_layers, **options)
+    model.core.health.observed = {}  # what earlier runs saw of these peers must not steer the routes
     return model
 
 
@@ -116,14 +116,14 @@ def test_verification_routes_from_the_boundary_and_a_rewind_cuts_the_local_cache
 
     liar, other = peers[2], peers[3]
     model = model_of(swarm, 1, verify=1.0)
-    model.health.observed = {other.swarm.peer_id: 1e-3}  # seen slow: the route goes through the liar
+    model.core.health.observed = {other.swarm.peer_id: 1e-3}  # seen slow: the route goes through the liar
     lie(liar, noise)
     try:
         caught = loop.run(model.generate(IDS, NEW, stop_at_eos=False, decode=False))
     finally:
         lie(liar, None)
     assert caught.token_ids == expected and caught.rewinds >= 1
-    assert model._access().distrusted == {liar.swarm.peer_id}
+    assert model.core.access().distrusted == {liar.swarm.peer_id}
 
 
 def test_the_boundary_rounds_up_to_the_next_stage_start(swarm, caplog):
@@ -174,7 +174,7 @@ def test_no_stage_starting_at_or_after_k_is_a_clear_error(swarm, wanted):
     maddr = str(loop.run(peers[0].swarm.maddrs())[0])
     args = ["infer", "--model", str(source.folder), "--initial-peers", maddr, "--local-layers", str(wanted)]
     model = client_model(build_parser().parse_args([*args, "hi"]))  # as `p2pfusion infer` builds it
-    model.swarm = client
+    model.core.swarm = client
     with pytest.raises(RequestError) as error:
         loop.run(model.generate(IDS, NEW))
     assert str(error.value) == (

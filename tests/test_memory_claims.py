@@ -51,7 +51,7 @@ def test_peers_claim_layers_by_memory_and_serve_a_model_none_could_hold(big_mode
     source = resolve_model(str(big_model))
     weights = sum(f.stat().st_size for f in big_model.glob("*.safetensors"))
     assert weights > BUDGET * GIB  # no peer could hold it
-    options = ["--max-memory", str(BUDGET), "--throughput", "100", "--max-length", "64"]
+    options = ["--max-memory", str(BUDGET), "--throughput", "100", "--session-limit", "64"]
     with LocalSwarm(model=str(big_model)) as swarm:
         swarm.wait_ready(swarm.launch(None, options), timeout=120)
         for proc in [swarm.launch(None, options) for _ in range(PEERS - 1)]:
@@ -67,7 +67,7 @@ def test_peers_claim_layers_by_memory_and_serve_a_model_none_could_hold(big_mode
         try:
             client = loop.run(join_swarm(swarm.maddrs, client_mode=True))
             before = status_kib(os.getpid(), "RssAnon")
-            model = RemoteCausalLM(source, client, compression="none", verify=0.0)
+            model = RemoteCausalLM.build(source, client, compression="none", verify=0.0)
             client_growth = (status_kib(os.getpid(), "RssAnon") - before) * 1024
             result = loop.run(model.generate(IDS, NEW, stop_at_eos=False, decode=False))
             loop.run(client.shutdown())

@@ -13,8 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import ConfigError
 from p2pfusion.net import messages as m
+from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import read_frame, write_frame
 from p2pfusion.peer.runtime import Peer, PeerOptions
 from tests.swarm import running_peers
@@ -56,7 +57,7 @@ async def _open_alone(client, peer, session_id: str, subscribe: bool = True):
         streams.append(sink)
     reader, writer = await _stream(client, peer)
     hop = m.Hop(peer.swarm.peer_id, peer.swarm.transport.data_addrs, peer.record.start, peer.record.end)
-    await write_frame(writer, m.to_header(m.Open(session_id, 32, [hop], compression="none")))
+    await write_frame(writer, m.to_header(m.Open(session_id, 32, [hop], compression=Codec.NONE)))
     streams.append((reader, writer))
     return streams, (await read_frame(reader))[0]
 
@@ -73,7 +74,7 @@ async def _until_closed(peers) -> None:
 async def _served(source):
     async with running_peers(source, RANGES, metrics_port=0, client_sessions=PER_CLIENT) as (peers, maddrs):
         client = await join_swarm(maddrs, client_mode=True)
-        model = RemoteCausalLM(source, client, compression="none", verify=0.0)
+        model = RemoteCausalLM.build(source, client, compression="none", verify=0.0)
         seen = {"idle": await _scrape(peers[0])}
         generated = [await model.generate(PROMPTS[0], NEW_TOKENS, stop_at_eos=False, decode=False)]
         generated += await asyncio.gather(*(
@@ -92,7 +93,7 @@ async def _served(source):
         held = [await _open_alone(client, peers[0], f"held{i}") for i in range(PER_CLIENT)]
         _, seen["busy"] = await _open_alone(client, peers[0], "one-too-many", subscribe=False)
         reader, writer = await _stream(client, peers[0])
-        await write_frame(writer, m.to_header(m.Open("no-route", 32, [], compression="none")))
+        await write_frame(writer, m.to_header(m.Open("no-route", 32, [], compression=Codec.NONE)))
         seen["bad"] = (await read_frame(reader))[0]
         for streams, _ in held:
             for _, w in streams:
@@ -151,7 +152,7 @@ def test_metrics_count_what_the_peers_served_held_and_refused(tiny_models):
         # the generations', the session held open, the training one, and on the first peer those opened by hand
         assert _value(end, "p2pfusion_sessions_opened_total", **stage) == opened == generations + 2 + PER_CLIENT * (i == 0)
 
-    assert seen["busy"]["code"] == m.BUSY and "already has 3 sessions" in seen["busy"]["message"]
+    assert seen["busy"]["code"] == m.ErrorCode.BUSY and "already has 3 sessions" in seen["busy"]["message"]
     assert "empty route" in seen["bad"]["message"]
     first, second = seen["end"]
     assert _value(first, "p2pfusion_sessions_refused_busy_total") == 1
@@ -164,7 +165,7 @@ def test_metrics_count_what_the_peers_served_held_and_refused(tiny_models):
 async def _taken(source, port: int) -> str:
     swarm = await join_swarm([])
     try:
-        with pytest.raises(RouteError) as refused:
+        with pytest.raises(ConfigError) as refused:
             await Peer(PeerOptions(source, [], (0, 4), throughput="100", metrics_port=port), swarm).start()
     finally:
         await swarm.shutdown()

@@ -100,9 +100,9 @@ async def _through_a_swarm_of(served, asked, other, capsys):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
             listed = await swarm.models()
-            generated = await RemoteCausalLM(asked, swarm).generate(IDS, 8, stop_at_eos=False, decode=False)
+            generated = await RemoteCausalLM.build(asked, swarm).generate(IDS, 8, stop_at_eos=False, decode=False)
             with pytest.raises(RouteError) as absent:
-                await RemoteCausalLM(other, swarm).generate(IDS, 8, stop_at_eos=False, decode=False)
+                await RemoteCausalLM.build(other, swarm).generate(IDS, 8, stop_at_eos=False, decode=False)
         finally:
             await swarm.shutdown()
         await show_swarm(argparse.Namespace(initial_peers=maddrs, model=str(asked.folder), json=True, probe=True, swarm_secret=None))

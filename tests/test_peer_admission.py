@@ -81,7 +81,7 @@ def test_a_listed_peer_relaying_the_layers_before_speaks_for_its_client():
 def test_a_relay_passes_only_claims_about_the_hops_after_it():
     after = {"B", "C"}
     for honest in (m.Error("bad step", step=3), m.Error("C died", failed_peer="C"), m.Leaving("B"),
-                   m.Error("busy", failed_peer="B", code=m.BUSY), m.ParamGrads(1, [])):
+                   m.Error("busy", failed_peer="B", code=m.ErrorCode.BUSY), m.ParamGrads(1, [])):
         assert screen(honest, after, "B") is honest
     for forged in (m.Result(step=1), m.Step(step=1), m.Ack(), m.Error("x", failed_peer="A"), m.Leaving("Z")):
         replaced = screen(forged, after, "B")

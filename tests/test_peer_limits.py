@@ -13,6 +13,7 @@ from hivemind.p2p import PeerID
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import messages as m
+from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import read_frame, write_frame
 from tests.conftest import reference_model
 from tests.frames import raw_frame
@@ -30,7 +31,7 @@ def _reference(source, tokens=NEW_TOKENS) -> list[int]:
 
 
 async def _generate(client, source, tokens=NEW_TOKENS) -> list[int]:
-    result = await RemoteCausalLM(source, client).generate(IDS, tokens, stop_at_eos=False, decode=False)
+    result = await RemoteCausalLM.build(source, client).generate(IDS, tokens, stop_at_eos=False, decode=False)
     return list(result.token_ids)
 
 
@@ -51,7 +52,7 @@ def _hop(peer) -> m.Hop:
     return m.Hop(peer.swarm.peer_id, peer.swarm.transport.data_addrs, peer.record.start, peer.record.end)
 
 
-async def _open_raw(client, peers, session_id: str, max_length: int = 64, direct: bool = True, hops=None):
+async def _open_raw(client, peers, session_id: str, length: int = 64, direct: bool = True, hops=None):
     """Subscribe at the last hop and open the route at the first: (head reader, head writer, sink reader,
     sink writer, the Open's reply)."""
     sink_reader, sink_writer = await _stream(client, peers[-1], direct)
@@ -60,7 +61,7 @@ async def _open_raw(client, peers, session_id: str, max_length: int = 64, direct
     assert subscribed["kind"] == "ack", subscribed
     reader, writer = await _stream(client, peers[0], direct)
     route = hops or [_hop(p) for p in peers]
-    await write_frame(writer, m.to_header(m.Open(session_id, max_length, route, compression="none")))
+    await write_frame(writer, m.to_header(m.Open(session_id, length, route, compression=Codec.NONE)))
     reply, _ = await read_frame(reader)
     return reader, writer, sink_reader, sink_writer, reply
 
@@ -74,7 +75,7 @@ async def _bad_tensors(source):
     async with running_peers(source, [(0, 4)]) as ([peer], maddrs):
         peer.server.compute.prefill_chunk = 2  # every prompt here runs in chunks, between other steps
         client = await join_swarm(maddrs, client_mode=True)
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM.build(source, client)
         good = await model.open_session(32)
         first = await good.step(model.embed(IDS[:5]))
         rss = _rss()
@@ -137,7 +138,7 @@ def test_silent_streams_and_idle_sessions_expire(tiny_models):
     source = tiny_models["llama"]
     silent, silent_after, expired, left, tokens = uvloop.run(_silences(source))
     assert "no request within 1 s" in silent["message"] and silent_after < 5
-    assert all(e["kind"] == "error" and e["code"] == m.EXPIRED and "open it again" in e["message"] for e in expired)
+    assert all(e["kind"] == "error" and e["code"] == m.ErrorCode.EXPIRED and "open it again" in e["message"] for e in expired)
     assert left == 0
     assert tokens == _reference(source)
 
@@ -155,7 +156,7 @@ async def _memory(source):
         baseline = _rss()
         sessions = []
         while True:  # over libp2p: a source of its own, as another machine would be
-            opened = await _open_raw(attacker, [peer], f"fill{len(sessions)}", max_length=2048, direct=False)
+            opened = await _open_raw(attacker, [peer], f"fill{len(sessions)}", length=2048, direct=False)
             if opened[-1]["kind"] != "ack":
                 busy = opened[-1]
                 break
@@ -185,7 +186,7 @@ def test_sessions_reserve_memory_within_a_budget_and_free_it(tiny_models):
     source = tiny_models["llama"]
     count, busy, wide, (held, left), (baseline, peak, after), tokens = uvloop.run(_memory(source))
     assert count == 20  # half of 80 MiB, at 2 MiB a session
-    assert busy["code"] == m.BUSY and "one client may hold at most 40 MiB" in busy["message"], busy
+    assert busy["code"] == m.ErrorCode.BUSY and "one client may hold at most 40 MiB" in busy["message"], busy
     assert "opened for at most 1" in wide["message"]
     assert peak - baseline > 30 * MIB, (baseline, peak)  # 20 caches of 2000 tokens
     # every session's keys and values per layer, then none: what RSS gives back after the peer
@@ -212,7 +213,7 @@ async def _flood(attacker, peer, stop: asyncio.Event, name: str, prefills: list[
     i = 0
     while not stop.is_set():
         i += 1
-        reader, writer, sink, sink_writer, _ = await _open_raw(attacker, [peer], f"{name}.{i}", max_length=2048)
+        reader, writer, sink, sink_writer, _ = await _open_raw(attacker, [peer], f"{name}.{i}", length=2048)
         for step, tokens in enumerate((4, 1440, 576)):
             t0 = time.perf_counter()
             await write_frame(writer, m.to_header(m.Step(step=step)), torch.randn(1, tokens, 64))
@@ -228,7 +229,7 @@ async def _prefill_flood(source):
     async with running_peers(source, [(0, 4)]) as ([peer], maddrs):
         client = await join_swarm(maddrs, client_mode=True)
         attacker = await join_swarm(maddrs, client_mode=True)
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM.build(source, client)
         quiet = await _decode_latencies(model, 24)
         stop, prefills = asyncio.Event(), []
         floods = [asyncio.create_task(_flood(attacker, peer, stop, f"flood{n}", prefills)) for n in range(3)]
@@ -337,7 +338,7 @@ async def _relayed_shares(source):
         attacker = await join_swarm(maddrs, client_mode=True)
         held = []
         while True:  # over libp2p: a source of its own at the first hop, as another machine would be
-            opened = await _open_raw(attacker, peers, f"fill{len(held)}", max_length=2048, direct=False)
+            opened = await _open_raw(attacker, peers, f"fill{len(held)}", length=2048, direct=False)
             if opened[-1]["kind"] != "ack":
                 refused = opened[-1]
                 break
@@ -345,14 +346,14 @@ async def _relayed_shares(source):
         at_last_hop = {(s.source, s.client) for s in last.server.sessions.values()}
         # the first hop relays everyone's sessions from one address: the client's are its own there
         tokens = await asyncio.wait_for(_generate(client, source), 60)
-        model = RemoteCausalLM(source, client)
+        model = RemoteCausalLM.build(source, client)
         session = await model.open_session(16)
         await session.step(model.embed(IDS))
         units = [{s.client for s in peer.server.sessions.values() if s.client.startswith("ip:")} for peer in peers]
         await session.close()
         # a claim about whom it relays, from someone the swarm does not list, counts for nothing
         reader, writer = await _stream(attacker, first, direct=False)
-        claim = m.Open("claim", 64, [_hop(p) for p in peers], compression="none", origin="ip:203.0.113.7")
+        claim = m.Open("claim", 64, [_hop(p) for p in peers], compression=Codec.NONE, origin="ip:203.0.113.7")
         await write_frame(writer, m.to_header(claim))
         claimed = (await read_frame(reader))[0]
         await attacker.shutdown()
@@ -363,8 +364,8 @@ async def _relayed_shares(source):
 def test_a_relayed_session_counts_against_its_client_not_the_relay(tiny_models):
     source = tiny_models["llama"]
     count, refused, at_last_hop, attacker, tokens, units, claimed = uvloop.run(_relayed_shares(source))
-    assert count == 10 and refused["code"] == m.BUSY and "one client may hold at most 10 MiB" in refused["message"]
+    assert count == 10 and refused["code"] == m.ErrorCode.BUSY and "one client may hold at most 10 MiB" in refused["message"]
     assert at_last_hop == {(attacker, attacker)}  # its caps and its share of compute, as at the first hop
     assert len(units[0]) == 1 and units[0] == units[1]  # the client is charged as one unit at every hop
     assert tokens == _reference(source)
-    assert claimed["code"] == m.BUSY, claimed  # still the attacker's own share, full
+    assert claimed["code"] == m.ErrorCode.BUSY, claimed  # still the attacker's own share, full

@@ -25,7 +25,7 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 
 async def main():
-    model = RemoteCausalLM(resolve_model(sys.argv[1]), await join_swarm([sys.argv[2]], client_mode=True))
+    model = RemoteCausalLM.build(resolve_model(sys.argv[1]), await join_swarm([sys.argv[2]], client_mode=True))
     session = (await model.open_session(64)).session
     for _ in range(5):
         await session.submit(model.embed(list(range(1, 9))))
@@ -62,7 +62,7 @@ async def _served_and_reported(source):
         async with Upkeep(peers[0]):
             swarm = await join_swarm(maddrs, client_mode=True)
             try:
-                result = await RemoteCausalLM(source, swarm).generate([3, 17, 42, 99], 5, stop_at_eos=False, decode=False)
+                result = await RemoteCausalLM.build(source, swarm).generate([3, 17, 42, 99], 5, stop_at_eos=False, decode=False)
             finally:
                 await swarm.shutdown()
             await asyncio.sleep(0.7)

@@ -6,8 +6,8 @@ from hypothesis import strategies as st
 
 from p2pfusion.client.route.health import BAN_MAX, HINT_MAX, PeerHealth
 from p2pfusion.client.generate.local_layers import local_boundary
-from p2pfusion.client.route.planner import find_route, missing_layers, session_limit
-from p2pfusion.client.route.session import MIN_CHUNK_TOKENS, chunk_sizes
+from p2pfusion.client.route.planner import find_route, longest_session, missing_layers
+from p2pfusion.client.route.pieces import MIN_CHUNK_TOKENS, chunk_sizes
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RequestError, RouteError
 from tests.policy_records import rec
@@ -53,20 +53,20 @@ def test_route_rejects_ranges_that_do_not_chain():
 
 
 def test_a_route_from_a_first_layer_ignores_the_layers_before_it():
-    records = [rec(0, 2, max_length=8), rec(2, 4), rec(4, 10)]
+    records = [rec(0, 2, session_limit=8), rec(2, 4), rec(4, 10)]
     assert [(r.start, r.end) for r in find_route(records, 10, first=2)] == [(2, 4), (4, 10)]
     assert [(r.start, r.end) for r in find_route(records, 10, first=4)] == [(4, 10)]
     assert missing_layers([rec(4, 6)], 10, first=3) == [(3, 4), (6, 10)]
     with pytest.raises(RouteError, match="do not chain from layer 3"):
         find_route(records, 10, first=3)
     # the peer accepting 8 tokens serves only layers a session from layer 2 runs itself
-    assert session_limit(records, 10, 4096) == 8 and session_limit(records, 10, 4096, first=2) == 2048
+    assert longest_session(records, 10, 4096) == 8 and longest_session(records, 10, 4096, first=2) == 2048
 
 
 def test_the_local_boundary_is_the_first_stage_start_at_or_after_k_with_a_route():
     records = [rec(0, 1), rec(1, 2), rec(1, 3), rec(0, 2), rec(2, 4), rec(3, 4, PeerState.JOINING)]
     assert [local_boundary(records, 4, k) for k in (0, 1, 2)] == [0, 1, 2]
-    assert local_boundary(records, 4, 1, avoid={"p1-2-1.0-online"}) == 2  # 1:3 leads nowhere yet
+    assert local_boundary(records, 4, 1, avoid={"p1x2x1online"}) == 2  # 1:3 leads nowhere yet
     with pytest.raises(RequestError, match=r"starts at layer 3 or later \(the model has 4 layers; .* start at 0, 1, 2\)"):
         local_boundary(records, 4, 3)
     with pytest.raises(RouteError, match="no peer serves layers 3:4"):

@@ -12,7 +12,7 @@ import torch
 
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_stage
-from p2pfusion.net.codecs import Codec
+from p2pfusion.net.compression import Codec
 from tests.conftest import reference_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "privacy_attacks.py"

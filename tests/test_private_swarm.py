@@ -16,7 +16,7 @@ from p2pfusion.cli.main import main
 from p2pfusion.client.tune.distributed import AutoDistributedModelForCausalLM
 from p2pfusion.client.generate.swarm_lm import SwarmLM
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.errors import RequestError, RouteError
+from p2pfusion.errors import ConfigError, RouteError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import read_frame, write_frame
 from p2pfusion.net.secret import SwarmSecret, create_secret_file, load_secret
@@ -120,7 +120,7 @@ def test_streams_without_the_secret_are_closed_before_any_handler(private, caplo
     _, mine, other, maddrs, peers, loop, _ = private
     caplog.set_level(logging.INFO, logger="p2pfusion")
     route = [m.Hop(p.swarm.peer_id, p.swarm.transport.data_addrs, p.record.start, p.record.end) for p in peers]
-    opening = m.Open("s1", max_length=16, route=route)
+    opening = m.Open("s1", length=16, route=route)
     served = sum(peer.server.sessions_opened for peer in peers)
     for secret in (None, load_secret(other)):
         for direct in (True, False):
@@ -172,7 +172,7 @@ def test_the_swarm_secret_command_and_bad_files(tmp_path, capsys, caplog):
     with caplog.at_level(logging.WARNING, logger="p2pfusion"):
         load_secret(path)
     assert "may be read by other users" in caplog.text
-    with pytest.raises(RequestError, match="32 bytes"):
+    with pytest.raises(ConfigError, match="32 bytes"):
         SwarmSecret(b"short")
 
 

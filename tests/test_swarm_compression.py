@@ -6,7 +6,8 @@ import uvloop
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.stage import load_stage
-from p2pfusion.net.codecs import Codec, pack, unpack
+from p2pfusion.net.codecs import pack, unpack
+from p2pfusion.net.compression import Codec
 from tests.conftest import reference_model
 from tests.swarm import running_peers
 
@@ -20,7 +21,7 @@ async def _swarm_hidden(source, compressions):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
             for compression in compressions:
-                model = RemoteCausalLM(source, swarm, compression=compression)
+                model = RemoteCausalLM.build(source, swarm, compression=compression)
                 session = await model.open_session(16)
                 try:
                     out[compression] = torch.cat([await session.step(model.embed(IDS)), await session.step(model.embed([11]))], 1)
@@ -53,7 +54,7 @@ def _simulated(source, codec: Codec, model: RemoteCausalLM) -> torch.Tensor:
 def test_forced_codecs_apply_on_every_hop(tiny_models):
     source = tiny_models["llama"]
     got = uvloop.run(_swarm_hidden(source, ["auto", "int8", "float16"]))
-    model = RemoteCausalLM(source)
+    model = RemoteCausalLM.build(source)
     with torch.no_grad():
         exact = reference_model(source)(torch.tensor([IDS + [11]]), output_hidden_states=True).hidden_states[-1]
     torch.testing.assert_close(model.head.model.norm(got["auto"]), exact, atol=1e-5, rtol=0)

@@ -16,7 +16,7 @@ async def _tiny_logits(source):
     async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
-            model = RemoteCausalLM(source, swarm)
+            model = RemoteCausalLM.build(source, swarm)
             session = await model.open_session(16)
             try:
                 prefill = model.logits(await session.step(model.embed(IDS)))
@@ -45,13 +45,13 @@ async def _default_generation(source, ids):
         try:
             # hidden states compared to 1e-4 must travel raw: `auto` may take float16 on a link that
             # measured slow while this 2-core machine was busy (greedy tokens stay exact with it)
-            model = RemoteCausalLM(source, swarm, compression="none")
+            model = RemoteCausalLM.build(source, swarm, compression="none")
             session = await model.open_session(len(ids) + 1)
             try:
                 final = await session.step(model.embed(ids))
             finally:
                 await session.close()
-            generated = await RemoteCausalLM(source, swarm).generate(ids, max_new_tokens=32, temperature=0.0)
+            generated = await RemoteCausalLM.build(source, swarm).generate(ids, max_new_tokens=32, temperature=0.0)
         finally:
             await swarm.shutdown()
     return final, generated, model
@@ -60,7 +60,7 @@ async def _default_generation(source, ids):
 @pytest.mark.slow
 def test_default_model_greedy_32_tokens_match_generate(default_model):
     ref = reference_model(default_model)
-    ids = RemoteCausalLM(default_model).encode("Name three colors of the rainbow.", chat=True)
+    ids = RemoteCausalLM.build(default_model).encode("Name three colors of the rainbow.", chat=True)
     final, generated, model = uvloop.run(_default_generation(default_model, ids))
     with torch.no_grad():
         out = ref(torch.tensor([ids]), output_hidden_states=True)
@@ -74,7 +74,7 @@ async def _batch_logits(source, batch):
     async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
-            return await RemoteCausalLM(source, swarm, compression="none").forward_logits(batch)
+            return await RemoteCausalLM.build(source, swarm, compression="none").forward_logits(batch)
         finally:
             await swarm.shutdown()
 

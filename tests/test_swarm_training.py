@@ -6,7 +6,7 @@ import uvloop
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.route.planner import find_route
-from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
 from p2pfusion.net.compression import Purpose
@@ -18,11 +18,11 @@ IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1], [9, 8, 7, 6, 5, 4, 3, 2]])
 
 async def _open(client, model, purpose):
     route = find_route(await client.lookup(model.source.key), model.config.num_hidden_layers)
-    return await InferenceSession(client.transport, route, 16, purpose=purpose).open()
+    return await RouteSession(client.transport, route, 16, purpose=purpose).open()
 
 
 async def _scenario(source):
-    model = RemoteCausalLM(source)
+    model = RemoteCausalLM.build(source)
     embeds = model.head.get_input_embeddings()(IDS).detach()
     async with running_peers(source, [(0, 2), (2, 3), (3, 4)]) as (_, maddrs):
         client = await join_swarm(maddrs, client_mode=True)
@@ -41,7 +41,7 @@ async def _scenario(source):
                 retried, _ = await session.backward(torch.ones_like(out))  # the bad gradient cost nothing
             finally:
                 await session.close()
-            model.swarm = client
+            model.core.swarm = client
             loss, grad = await model.train_step(IDS, IDS)
         finally:
             await client.shutdown()

@@ -8,6 +8,7 @@ import uvloop
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding
 
+from p2pfusion.errors import ProofError
 from p2pfusion.net import identity as ident
 from p2pfusion.net import probe
 from p2pfusion.net.framing import read_frame, write_frame
@@ -25,18 +26,18 @@ def test_certificate_proves_exactly_its_identity(tmp_path):
     tls_key = ec.generate_private_key(ec.SECP256R1())
     cert = alice.certificate(tls_key)
     ident.verify_peer(_der(cert), alice.peer_id)
-    with pytest.raises(ident.IdentityError, match="not"):
+    with pytest.raises(ProofError, match="not"):
         ident.verify_peer(_der(cert), bob.peer_id)
     # Alice's public key in the extension, but signed by Bob: a forgery
     spki = tls_key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     forged_signature = bob.private_key.sign(ident.SIGNATURE_PREFIX + spki, padding.PKCS1v15(), hashes.SHA256())
     forged = ident._self_signed(tls_key, alice.peer_id, ident._der_signed_key(alice.public_key_proto, forged_signature))
-    with pytest.raises(ident.IdentityError, match="not signed"):
+    with pytest.raises(ProofError, match="not signed"):
         ident.verify_peer(_der(forged), alice.peer_id)
     garbled = ident._self_signed(tls_key, alice.peer_id, b"\x30\x05\x04\x09abc")
-    with pytest.raises(ident.IdentityError, match="valid libp2p key"):
+    with pytest.raises(ProofError, match="valid libp2p key"):
         ident.verify_peer(_der(garbled), alice.peer_id)
-    with pytest.raises(ident.IdentityError):
+    with pytest.raises(ProofError):
         ident.verify_peer(None, alice.peer_id)
 
 

@@ -9,7 +9,7 @@ import pytest
 from p2pfusion.client.route import health as health_module
 from p2pfusion.client.route.health import MAX_OBSERVED, PeerHealth, load_observed, save_observed
 from p2pfusion.client.route.planner import HOP_SECONDS, UNOBSERVED_CAP, expected_throughput, find_route
-from p2pfusion.client.route.claims import Stream, admitted, blamed, claim_subject, needs_probe
+from p2pfusion.client.route.claims import Stream, admitted, blamed, claim_subject, needs_ping
 from p2pfusion.net import messages as m
 from tests.policy_records import rec
 
@@ -30,16 +30,16 @@ def test_only_failure_and_leaving_claims_need_proof():
     assert claim_subject(m.Error("gone", failed_peer="x")) == "x"
     assert claim_subject(m.Error("bad step")) is None
     # busy and expired cost a moment, never a ban: no proof needed
-    assert claim_subject(m.Error("full", failed_peer="x", code=m.BUSY)) is None
-    assert claim_subject(m.Error("idle", failed_peer="x", code=m.EXPIRED)) is None
+    assert claim_subject(m.Error("full", failed_peer="x", code=m.ErrorCode.BUSY)) is None
+    assert claim_subject(m.Error("idle", failed_peer="x", code=m.ErrorCode.EXPIRED)) is None
 
 
 def test_a_claim_counts_from_its_subject_is_probed_on_the_route_and_false_off_it():
-    assert not needs_probe(ROUTE, 0, "first")  # the first hop about itself, on the stream to it
-    assert not needs_probe(ROUTE, 2, "last")  # the last hop about itself, on the sink
-    assert needs_probe(ROUTE, 0, "last") and needs_probe(ROUTE, 0, "middle")
-    assert needs_probe(ROUTE, 2, "first")  # the last hop about another: checked too
-    assert not needs_probe(ROUTE, 0, "stranger")  # not on the route: false without a probe
+    assert not needs_ping(ROUTE, 0, "first")  # the first hop about itself, on the stream to it
+    assert not needs_ping(ROUTE, 2, "last")  # the last hop about itself, on the sink
+    assert needs_ping(ROUTE, 0, "last") and needs_ping(ROUTE, 0, "middle")
+    assert needs_ping(ROUTE, 2, "first")  # the last hop about another: checked too
+    assert not needs_ping(ROUTE, 0, "stranger")  # not on the route: false without a probe
 
 
 def test_a_false_claim_is_held_against_the_hop_that_could_have_made_it():
@@ -61,7 +61,7 @@ def test_an_advertised_figure_wins_only_until_it_is_observed():
     assert [r.peer_id for r in find_route(records, 30)] == ["liar"]  # nothing observed: the claim is all there is
     # observed (per layer) at 30 layer-tokens/s: 1 token/s through its 30 layers
     observed = {"liar": 30.0, "a": 400.0, "b": 400.0, "c": 400.0}
-    assert [r.peer_id for r in find_route(records, 30, observed)] == ["a", "b", "c"]
+    assert [r.peer_id for r in find_route(records, 30, observed=observed)] == ["a", "b", "c"]
     assert expected_throughput(liar, observed) == pytest.approx(1.0)
 
 
@@ -73,8 +73,8 @@ def test_an_unobserved_peer_is_capped_at_a_multiple_of_the_best_observed():
     # never above what it claims, either
     assert expected_throughput(rec(0, 4, throughput=3.0, name="modest"), observed) == pytest.approx(3.0)
     # the cap lets a newcomer be tried once (it may be faster), and what the client sees then decides
-    assert find_route(records, 4, observed)[0].peer_id == "new"
-    assert find_route(records, 4, {**observed, "new": 40.0})[0].peer_id == "seen"
+    assert find_route(records, 4, observed=observed)[0].peer_id == "new"
+    assert find_route(records, 4, observed={**observed, "new": 40.0})[0].peer_id == "seen"
 
 
 def test_each_hop_costs_a_network_round_measured_or_assumed():

@@ -113,7 +113,7 @@ def opened(peers) -> dict[str, int]:
 
 
 async def generate(source, client, trusted, verify=0.0):
-    model = RemoteCausalLM(source, client, compression="none", verify=verify, trusted_peers=trusted)
+    model = RemoteCausalLM.build(source, client, compression="none", verify=verify, trusted_peers=trusted)
     return await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
 
 
@@ -152,7 +152,7 @@ def test_verification_checks_only_against_trusted_peers(swarm):
 async def step_by_step(source, client, trusted, extra, act) -> tuple[list[int], int, str]:
     """Greedy tokens of IDS, one step at a time; after the first, `act` (awaited) befalls the peer
     of `extra` that holds the session. The tokens, the session's recoveries, and that peer's name."""
-    model = RemoteCausalLM(source, client, compression="none", verify=0.0, trusted_peers=trusted)
+    model = RemoteCausalLM.build(source, client, compression="none", verify=0.0, trusted_peers=trusted)
     session = await model.open_session(len(IDS) + NEW)
     try:
         tokens = [await model.next_token(await session.step(model.embed(IDS)), 0.0, None)]

@@ -30,10 +30,10 @@ def noise(out: torch.Tensor) -> torch.Tensor:
 async def generate(source, maddrs, verify: float, observed: dict[str, float] | None = None):
     swarm = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, swarm, compression="none", verify=verify)
-        model.health.observed = dict(observed or {})  # what routing prefers, whatever earlier runs saw
+        model = RemoteCausalLM.build(source, swarm, compression="none", verify=verify)
+        model.core.health.observed = dict(observed or {})  # what routing prefers, whatever earlier runs saw
         result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
-        return result, model._access().distrusted, swarm.writer_id
+        return result, model.core.access().distrusted, swarm.writer_id
     finally:
         await swarm.shutdown()
 

@@ -18,6 +18,7 @@ from p2pfusion.client.checks.policy import (
     witness_chain,
 )
 from p2pfusion.dht.records import FaultReport, PeerRecord, PeerState
+from p2pfusion.net.compression import AUTO, Codec
 from p2pfusion.errors import RequestError
 from p2pfusion.models.stage import load_stage
 
@@ -57,10 +58,10 @@ def test_relative_errors_per_position():
 
 
 def test_tolerance_is_tight_only_for_exact_float32():
-    assert tolerance("none", torch.float32) <= 2e-4
-    assert tolerance("auto", torch.float32) >= tolerance("float16", torch.float32) > tolerance("none", torch.float32)
-    assert tolerance("none", torch.float16) > tolerance("none", torch.float32)
-    assert tolerance("topk", torch.float32) == math.inf
+    assert tolerance(Codec.NONE, torch.float32) <= 2e-4
+    assert tolerance(AUTO, torch.float32) >= tolerance(Codec.FLOAT16, torch.float32) > tolerance(Codec.NONE, torch.float32)
+    assert tolerance(Codec.NONE, torch.float16) > tolerance(Codec.NONE, torch.float32)
+    assert tolerance(Codec.TOPK, torch.float32) == math.inf
     with pytest.raises(RequestError):
         check_rate(1.5)
 
@@ -72,12 +73,12 @@ def test_honest_float16_compute_and_wire_meet_the_tolerance(tiny_models):
     hidden = torch.randn(1, 24, 64)
     exact = load_stage(source, 0, 4).forward(hidden, 0)
     half = load_stage(source, 0, 4, torch.float16).forward(hidden.half(), 0)
-    assert float(relative_errors(half, exact).max()) < tolerance("none", torch.float16) / 4
+    assert float(relative_errors(half, exact).max()) < tolerance(Codec.NONE, torch.float16) / 4
     stages = [load_stage(source, a, a + 1) for a in range(4)]
     wired = hidden
     for stage in stages:
         wired = stage.forward(wired.half().float(), 0)
-    assert float(relative_errors(wired, exact).max()) < tolerance("auto", torch.float32) / 4
+    assert float(relative_errors(wired, exact).max()) < tolerance(AUTO, torch.float32) / 4
 
 
 def test_alternative_route_reuses_as_few_peers_as_it_can():

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.run.replicas import chains, served, split_rows, stages
-from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.run.trainer import SwarmTrainer
 from p2pfusion.dht.records import PeerState
 from p2pfusion.errors import PeerRefused, RequestError, RouteError
@@ -20,7 +20,7 @@ from p2pfusion.models.formats import layer_shapes
 from p2pfusion.models.source import resolve_model
 from p2pfusion.net import run_messages as t
 from p2pfusion.net.averaging import AveragingFailed, GroupAverager
-from p2pfusion.net.compression import Purpose
+from p2pfusion.net.compression import Codec, Purpose
 from p2pfusion.net.run_calls import call, fetch_state
 from p2pfusion.peer.balance import misfit, training_stage
 from p2pfusion.peer.replica import OuterHyper
@@ -145,11 +145,11 @@ def test_bad_requests_are_refused_and_leave_the_weights_untouched(tiny_models):
             record = (await peers[0].swarm.lookup(source.key, "guard"))[0]
             assert record.train_run == "guard" and record.state == PeerState.ONLINE
             # inference on a training replica: one clear line
-            session = InferenceSession(transport, [record], 16)
+            session = RouteSession(transport, [record], 16)
             with pytest.raises(PeerRefused, match="trains run 'guard'"):
                 await session.open()
             # a NaN gradient is refused, and counts for nothing
-            session = InferenceSession(transport, [record], 8, "none", None, Purpose.TRAINING, 1)
+            session = RouteSession(transport, [record], 8, Codec.NONE, None, Purpose.TRAINING, 1)
             await session.open()
             try:
                 step = await session.submit(torch.randn(1, 8, 64))

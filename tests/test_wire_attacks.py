@@ -40,7 +40,7 @@ def swarm(tiny_models):
 
 
 async def _generate(source, client) -> list[int]:
-    result = await RemoteCausalLM(source, client, compression="none").generate(
+    result = await RemoteCausalLM.build(source, client, compression="none").generate(
         IDS, NEW_TOKENS, stop_at_eos=False, decode=False
     )
     return list(result.token_ids)

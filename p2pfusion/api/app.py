@@ -39,11 +39,12 @@ def create_app(lm: SwarmLM, model_names: Sequence[str], api_key: str | None = No
     router = APIRouter(prefix="/v1", dependencies=[Depends(_authorized)])
 
     async def card() -> schemas.ModelCard:
-        core = lm.core
-        total = core.config.num_hidden_layers
+        core = lm.model.core
+        total = core.num_layers
         online = usable(await core.swarm.lookup(core.source.key))
-        if core.trusted is not None:  # the peers this API may route through
-            online = [r for r in online if r.peer_id in core.trusted]
+        trusted = core.options.trusted_peers
+        if trusted is not None:  # the peers this API may route through
+            online = [r for r in online if r.peer_id in trusted]
         gaps = missing_layers(online, total)
         coverage = schemas.Coverage(
             layers=total, served=total - sum(end - start for start, end in gaps), gaps=gaps, peers=len(online)
@@ -58,7 +59,7 @@ def create_app(lm: SwarmLM, model_names: Sequence[str], api_key: str | None = No
     @router.get("/models/{model:path}")
     async def model(model: str) -> schemas.ModelCard:
         if model not in names:
-            raise unknown_model(model, names[0], lm.core.source.key)
+            raise unknown_model(model, names[0], lm.model.source.key)
         return await card()
 
     router.add_api_route("/chat/completions", completions.chat, methods=["POST"])
@@ -78,7 +79,7 @@ async def _authorized(request: Request) -> None:
 
 def model_names(lm: SwarmLM) -> list[str]:
     """What requests may call the model: its display name, and its swarm key."""
-    return [lm.core.source.name, lm.core.source.key]
+    return [lm.model.source.name, lm.model.source.key]
 
 
 def listen(host: str, port: int) -> socket.socket:

@@ -59,7 +59,7 @@ class Completions:
     def __init__(self, lm: SwarmLM, names: list[str]):
         self.lm = lm
         self.names = names  # what a request's `model` may be: the display name, then the swarm key
-        eos = lm.core.config.eos_token_id
+        eos = lm.model.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
@@ -92,7 +92,7 @@ class Completions:
         try:
             ids = lm.encode(prompt)
             if max_tokens is None:
-                max_tokens = max(await lm.core.length_limit() - len(ids), 1)
+                max_tokens = max(await lm.model.core.longest_session() - len(ids), 1)
             request = lm.request(
                 ids, max_tokens, 1.0 if body.temperature is None else body.temperature, body.seed,
                 top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops,

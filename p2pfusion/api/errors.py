@@ -3,7 +3,8 @@
 Clients (the `openai` package, LangChain, ...) pick their exception from the status alone, so each
 failure gets the status OpenAI gives its like: 400 for a bad request (pydantic's validation errors
 too, which FastAPI would answer with 422), 401, 404, 405, 413 for a prompt longer than the model or
-the swarm takes, and 503 with `Retry-After` while the swarm cannot serve (a gap, busy peers).
+the swarm takes, 503 with `Retry-After` while the swarm cannot serve (a gap, busy peers), and 500
+when this server itself is at fault (its model's files, its own setup).
 """
 
 from __future__ import annotations
@@ -17,12 +18,15 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from p2pfusion.api.schemas import ErrorBody, ErrorDetail
-from p2pfusion.errors import P2PFusionError, PeerBusy, PromptTooLong, RouteError
+from p2pfusion.errors import (
+    ConfigError, ModelError, P2PFusionError, PeerBusy, PromptTooLong, ProofError, RequestError, RouteError,
+)
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER = 5  # seconds, when the swarm says nothing sooner: a warm backup takes over in about that
 INVALID = "invalid_request_error"
+SERVER_CODES = {ModelError: "model_error", ConfigError: "server_misconfigured", ProofError: "peer_proof_failed"}
 
 
 class APIError(Exception):
@@ -42,14 +46,18 @@ class APIError(Exception):
 
 
 def from_core(exc: P2PFusionError, prompt_param: str | None = None) -> APIError:
-    """The API's answer to an error of the client core; `prompt_param` names the request's prompt field."""
+    """The API's answer to an error of the client core; `prompt_param` names the request's prompt
+    field. The swarm's trouble is a 503 to retry; the request's, a 400 (413: too long); this
+    server's own (its model, its setup, a peer's failed proof), a 500."""
     if isinstance(exc, PromptTooLong):
         return APIError(413, str(exc), param=prompt_param, code="context_length_exceeded")
     if isinstance(exc, RouteError):
         hint = exc.retry_after if isinstance(exc, PeerBusy) and exc.retry_after is not None else RETRY_AFTER
         code = "peers_busy" if isinstance(exc, PeerBusy) else "swarm_unavailable"
         return APIError(503, str(exc), "server_error", code=code, headers={"Retry-After": str(math.ceil(hint))})
-    return APIError(400, str(exc))
+    if isinstance(exc, RequestError):
+        return APIError(400, str(exc))
+    return APIError(500, str(exc), "server_error", code=SERVER_CODES.get(type(exc)))
 
 
 def unsupported(param: str, why: str) -> APIError:

@@ -39,7 +39,7 @@ def api_key_refused(request: Request) -> JSONResponse | None:
 
 def add_web(app: FastAPI, lm: SwarmLM) -> None:
     """Serve the page at `/` and `/swarm`, its files under `/static`, and the swarm's JSON at `/v1/swarm`."""
-    core = lm.core
+    core = lm.model.core
     # the API's own generations keep its model's observed speeds fresh
     status = SwarmStatus(core.swarm, {core.source.key: core.health})
 

@@ -21,12 +21,11 @@ from typing import TextIO
 
 import torch
 
-from p2pfusion.cli.commands import StreamingDecoder, client_model, join
-from p2pfusion.client.generate.conversation import Conversation, Generated
+from p2pfusion.cli.commands import StreamingDecoder, client_model
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.generate.conversation import Conversation, Generated
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.errors import RequestError
-from p2pfusion.net.secret import load_secret
 
 log = logging.getLogger("p2pfusion")
 
@@ -135,13 +134,12 @@ def _terminal_lines() -> Iterator[str]:
 
 def chat(args, started: float) -> None:
     """`started`: when the command started (perf_counter), for the progress lines."""
-    secret = load_secret(args.swarm_secret)
     model = client_model(args)
     model.require_chat_template()
     log.info("loaded %s in %.1f s", model.source.name, time.perf_counter() - started)
     loop = BackgroundLoop("p2pfusion-chat")
     try:
-        swarm = loop.run(join(model, args.initial_peers, secret))
+        loop.run(model.core.join(args.initial_peers))
         session = Chat(model, loop, args.max_new_tokens, args.temperature, args.seed, args.system)
         try:
             if sys.stdin.isatty():
@@ -149,6 +147,6 @@ def chat(args, started: float) -> None:
             run_chat(session, _terminal_lines(), sys.stdout)
         finally:
             loop.run(session.conversation.close())
-            loop.run(swarm.shutdown())
+            loop.run(model.core.leave())
     finally:
         loop.close()

@@ -8,21 +8,19 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 from typing import TextIO
 
-from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.client.core import ClientCore
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.swarm_lm import SwarmLM
 from p2pfusion.client.generate.text import TextPieces
-from p2pfusion.client.checks.policy import DEFAULT_RATE
-from p2pfusion.dht.swarm import SwarmNode, join_swarm
-from p2pfusion.errors import ModelError, RequestError
+from p2pfusion.client.options import ClientOptions
+from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.errors import ConfigError, ModelError, RequestError
 from p2pfusion.models.formats import DTYPES, WeightFormat
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
-from p2pfusion.net.compression import AUTO
-from p2pfusion.net.secret import SwarmSecret, load_secret
+from p2pfusion.net.secret import load_secret
 from p2pfusion.peer.runtime import PeerOptions
 from p2pfusion.peer.service import serve
 
@@ -33,7 +31,7 @@ async def run_peer(args, device: str) -> None:
     secret = load_secret(args.swarm_secret)  # a bad file fails before the model loads
     models = args.model or [None]
     if len(models) > 1 and args.layers is not None:
-        raise RequestError("--layers names layers of one model: give one --model with it")
+        raise ConfigError("--layers names layers of one model: give one --model with it")
     source, *others = [resolve_model(model) for model in models]
     config = load_config(source)
     if args.layers is not None and args.layers[1] > config.num_hidden_layers:
@@ -43,7 +41,7 @@ async def run_peer(args, device: str) -> None:
         )
     _check_device(device)
     if args.train is not None and (args.dtype != "float32" or args.quant is not None or args.backup or len(models) > 1):
-        raise RequestError("--train trains float32 weights of one model: drop --dtype, --quant, --backup and extra --model")
+        raise ConfigError("--train trains float32 weights of one model: drop --dtype, --quant, --backup and extra --model")
     options = PeerOptions(
         source=source,
         initial_peers=[] if args.new_swarm else args.initial_peers,
@@ -61,7 +59,7 @@ async def run_peer(args, device: str) -> None:
         data_port=args.data_port,
         identity=args.identity,
         address_file=args.address_file,
-        max_length=args.max_length,
+        session_limit=args.session_limit,
         compression=args.compression,
         training_memory=args.training_memory,
         cache_memory=args.cache_mib,
@@ -93,39 +91,37 @@ def _check_device(device: str) -> None:
         raise ModelError("mps is not available on this machine")
 
 
-def client_model(args) -> RemoteCausalLM:
-    """The client's part of the model (embeddings, head, tokenizer) and the user's adapter."""
-    model = RemoteCausalLM(
-        resolve_model(args.model), compression=args.compression, verify=args.verify, trusted_peers=args.trusted_peers,
-        local_layers=args.local_layers, min_precision=args.min_precision,
+def client_options(args) -> ClientOptions:
+    """The client's options as infer, chat and api take them (a bad file or value fails here, first)."""
+    return ClientOptions(
+        compression=args.compression, verify=args.verify, swarm_secret=args.swarm_secret,
+        trusted_peers=args.trusted_peers, local_layers=args.local_layers, min_precision=args.min_precision,
     )
+
+
+def client_model(args) -> RemoteCausalLM:
+    """The client (client/core.py) with its generation engine, and the user's adapter."""
+    options = client_options(args)
+    model = RemoteCausalLM(ClientCore(resolve_model(args.model), options))
     if args.adapter is not None:
         model.adapter = Adapter.load(args.adapter, model.config, model.source)
     return model
-
-
-async def join(model: RemoteCausalLM, initial_peers: list[str], secret: SwarmSecret | None = None) -> SwarmNode:
-    t0 = time.perf_counter()
-    model.swarm = await join_swarm(initial_peers, client_mode=True, secret=secret)
-    log.info("joined the swarm in %.1f s", time.perf_counter() - t0)
-    return model.swarm
 
 
 async def infer(args, started: float) -> None:
     """`started`: when the command started (perf_counter), for the progress lines."""
     if not args.prompt.strip():
         raise RequestError("the prompt is empty")
-    secret = load_secret(args.swarm_secret)
     model = client_model(args)
     ids = model.encode(args.prompt, args.chat)
     log.info("loaded %s in %.1f s; prompt: %d tokens", model.source.name, time.perf_counter() - started, len(ids))
-    swarm = await join(model, args.initial_peers, secret)
+    await model.core.join(args.initial_peers)
     try:
         decoder = StreamingDecoder(model.tokenizer)
         result = await model.generate(ids, args.max_new_tokens, args.temperature, args.seed, decoder.push)
         decoder.finish()
     finally:
-        await swarm.shutdown()
+        await model.core.leave()
     steps = max(len(result.token_ids) - 1, 1)
     log.info(
         "%d tokens; prefill %.2f s; decode %.1f tokens/s",
@@ -137,34 +133,27 @@ async def api(args) -> None:
     # the port first: one in use fails before the model loads
     from p2pfusion.api.app import listen
 
+    options = client_options(args)
     sock = listen(args.host, args.port)
-    await serve_api(
-        sock, args.initial_peers, args.model, args.api_key, args.compression, args.verify,
-        swarm_secret=load_secret(args.swarm_secret), trusted_peers=args.trusted_peers, local_layers=args.local_layers,
-        min_precision=args.min_precision,
-    )
+    await serve_api(sock, args.initial_peers, args.model, args.api_key, options)
 
 
 async def serve_api(
     sock: socket.socket, initial_peers: list[str], model: str | None, api_key: str | None = None,
-    compression: str = AUTO, verify: float = DEFAULT_RATE, swarm_secret: SwarmSecret | None = None,
-    trusted_peers: Path | None = None, local_layers: int = 0, min_precision: str = "int4",
+    options: ClientOptions | None = None,
 ) -> None:
     """The OpenAI-compatible API on `sock` (listening) until SIGINT or SIGTERM, in this loop with its swarm client."""
     # fastapi and uvicorn load for this command only, not for every peer
     from p2pfusion.api.app import base_url, create_app, model_names, server
 
-    lm = await SwarmLM.connect(
-        initial_peers, model, compression=compression, verify=verify, swarm_secret=swarm_secret,
-        trusted_peers=trusted_peers, local_layers=local_layers, min_precision=min_precision,
-    )
+    lm = await SwarmLM.connect(initial_peers, model, options)
     try:
         http = server(create_app(lm, model_names(lm), api_key))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))
         url = base_url(sock)
-        log.info("serving %s: the OpenAI-compatible API at %s/v1, a web chat at %s/", lm.core.source.name, url, url)
+        log.info("serving %s: the OpenAI-compatible API at %s/v1, a web chat at %s/", lm.model.source.name, url, url)
         await http.serve(sockets=[sock])
         log.info("stopped serving; leaving the swarm")
     finally:

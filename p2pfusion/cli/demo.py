@@ -22,7 +22,7 @@ log = logging.getLogger("p2pfusion.demo")
 async def _ask(source, maddrs: list[str], prompt: str, max_new_tokens: int):
     swarm = await join_swarm(maddrs, client_mode=True)
     try:
-        model = RemoteCausalLM(source, swarm)
+        model = RemoteCausalLM.build(source, swarm)
         ids = model.encode(prompt, chat=True)
 
         def show(_token: int) -> None:

@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import ConfigError
 
 
 def _ip(*args: str) -> None:
@@ -74,7 +74,7 @@ class HostNetwork:
     def __enter__(self) -> HostNetwork:
         reason = namespaces_unavailable()
         if reason is not None:
-            raise RouteError(f"cannot make test hosts: {reason}")
+            raise ConfigError(f"cannot make test hosts: {reason}")
         self.__exit__()
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
@@ -94,7 +94,7 @@ class HostNetwork:
                     self._shape(inside, ns)  # from the host
         except subprocess.CalledProcessError as exc:
             self.__exit__()
-            raise RouteError(f"cannot make test hosts: {' '.join(exc.cmd)}: {exc.stderr.decode().strip()}") from exc
+            raise ConfigError(f"cannot make test hosts: {' '.join(exc.cmd)}: {exc.stderr.decode().strip()}") from exc
         return self
 
     def __exit__(self, *exc) -> None:

@@ -36,6 +36,7 @@ from p2pfusion.cli.options import (
     throughput,
     whole_number,
 )
+from p2pfusion.dht.records import DEFAULT_SESSION_LIMIT  # no torch: parsing must not wait for it
 from p2pfusion.errors import P2PFusionError
 
 log = logging.getLogger("p2pfusion")
@@ -164,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     peer.add_argument("--address-file", type=Path, metavar="PATH", help="write this peer's multiaddrs here once serving")
     peer.add_argument(
-        "--max-length", type=whole_number(1), default=2048, metavar="N",
+        "--session-limit", type=whole_number(1), default=DEFAULT_SESSION_LIMIT, metavar="N",
         help="longest session accepted, in tokens (clients learn it from the DHT)",
     )
     peer.add_argument("--compression", **COMPRESSION)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from p2pfusion.client.route.health import PeerHealth, load_observed, save_observed
-from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.coverage import layer_throughputs
 from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState, span_throughput
 from p2pfusion.dht.swarm import SwarmNode
@@ -75,7 +75,7 @@ class ModelView:
             "observed_tokens_per_s": None if seen is None else round(span_throughput(seen, None, r.span), 2),
             "load_tokens_per_s": round(r.load, 2),
             "sessions": r.sessions, "queued": r.queued, "cache_used": r.cache_used, "cache_total": r.cache_total,
-            "max_length": r.max_length,
+            "session_limit": r.session_limit,
             "moving_to": list(r.moving_to) if r.moving_to else None,
             # a backup takes over from the serving peers of its layers; a serving peer, from its layers' backups
             "backup_for": [p.peer_id for p in stage if p.serving] if r.state == PeerState.BACKUP else None,
@@ -89,7 +89,7 @@ async def time_peer(
     """This client's own measurement of a peer, network included: one-token steps through its
     layers in a one-hop session. Updates `health` (routing trusts it over the peer's advertised
     speed) and returns the layer-rate."""
-    session = await InferenceSession(swarm.transport, [record], PROBE_STEPS + 1).open()
+    session = await RouteSession(swarm.transport, [record], PROBE_STEPS + 1).open()
     try:
         await session.step(torch.randn(1, 1, hidden_size, dtype=dtype))
         t0 = time.perf_counter()

@@ -33,9 +33,9 @@ from p2pfusion.dht.records import (
 )
 from p2pfusion.dht.storage import MAX_SUBKEYS, CappedStorage
 from p2pfusion.dht.validation import FAULT_TTL, MAX_MADDRS, RECORD_TTL, SwarmValidator, owner_of
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import ConfigError, RouteError
 from p2pfusion.net.secret import SwarmSecret
-from p2pfusion.net.transport import Transport
+from p2pfusion.net.transport import LIBP2P_ERRORS, Transport
 
 log = logging.getLogger(__name__)
 
@@ -243,24 +243,25 @@ async def join_swarm(
                 await transport.listen(host, data_port)
             except OSError as exc:
                 reason = os.strerror(exc.errno).lower() if exc.errno else str(exc)
-                raise RouteError(f"cannot listen for direct connections on {host}:{data_port}: {reason}") from exc
+                raise ConfigError(f"cannot listen for direct connections on {host}:{data_port}: {reason}") from exc
         identity = transport.identity
         validator = SwarmValidator(RSASignatureValidator(_SigningKey(identity.private_key) if identity else None))
         initial_peers = transport.initial_peers
         authorizer = None if secret is None else SecretAuthorizer(secret)
-        dht = await DHTNode.create(
-            p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode,
-            authorizer=authorizer,
-        )
+        try:
+            dht = await DHTNode.create(
+                p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode,
+                authorizer=authorizer,
+            )
+        except (*LIBP2P_ERRORS, RuntimeError) as exc:  # RuntimeError: hivemind's "bootstrap failed"
+            if "none of the initial_peers responded" in str(exc):
+                raise _unanswered(initial_peers, secret) from exc
+            raise RouteError(f"cannot join the DHT through {initial_peers}: {exc}") from exc
         dht.protocol.storage = _capped(dht.protocol.storage)
         dht.protocol.cache = _capped(dht.protocol.cache)
-    except Exception as exc:  # hivemind reports DHT bootstrap failures as assorted types; all end the join
+    except BaseException:
         await transport.shutdown()
-        if isinstance(exc, RouteError):
-            raise
-        if "none of the initial_peers responded" in str(exc):
-            raise _unanswered(initial_peers, secret) from exc
-        raise RouteError(f"cannot join the DHT through {initial_peers}: {exc}") from exc
+        raise
     if initial_peers and not dht.protocol.routing_table.get_nearest_neighbors(dht.node_id, 1, exclude=None):
         await dht.shutdown()
         await transport.shutdown()

@@ -32,7 +32,7 @@ from transformers import (
 from transformers.initialization import no_init_weights
 
 from p2pfusion.errors import ModelError
-from p2pfusion.models.tuning import StageAdapter, applied
+from p2pfusion.models.tuning import StageParams, applied
 from p2pfusion.models.cache_arg import cache_arg
 from p2pfusion.models.fingerprint import weight_files
 from p2pfusion.models.formats import LAYER_PREFIX, WeightFormat, is_weight, quantize, stored_bytes, weight_format, weight_storages
@@ -46,6 +46,14 @@ def load_config(source: ModelSource) -> PretrainedConfig:
         return AutoConfig.from_pretrained(source.folder)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"cannot read the config of {source.name}: {exc}") from exc
+
+
+def max_positions(config: PretrainedConfig) -> int:
+    """The positions a model takes, as its config says (every supported family's does)."""
+    positions = getattr(config, "max_position_embeddings", None)
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise ModelError("the model's config does not say how many positions it takes (max_position_embeddings)")
+    return positions
 
 
 def _sliced_config(config: PretrainedConfig, start: int, end: int) -> PretrainedConfig:
@@ -77,7 +85,7 @@ class Graph:
     """A training forward's output with its autograd graph, until its backward pass."""
 
     output: torch.Tensor
-    leaves: list[torch.Tensor]  # the input, then the adapter's parameters
+    leaves: list[torch.Tensor]  # the input, then the session's parameters
     nbytes: int  # activations it holds
 
 
@@ -99,10 +107,10 @@ class Stage:
             return SessionCache(self.end - self.start)
         return DynamicCache(config=self.module.config)
 
-    def _run(self, hidden, offset, cache, attention_mask, position_ids, adapter) -> torch.Tensor:
+    def _run(self, hidden, offset, cache, attention_mask, position_ids, params) -> torch.Tensor:
         if position_ids is None:
             position_ids = torch.arange(offset, offset + hidden.shape[1], device=self.device).unsqueeze(0)
-        with applied(self.module, adapter, offset):
+        with applied(self.module, params, offset):
             return self.module(
                 inputs_embeds=hidden.to(self.device, self.dtype),
                 attention_mask=None if attention_mask is None else attention_mask.to(self.device),
@@ -119,13 +127,13 @@ class Stage:
         cache: DynamicCache | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        adapter: StageAdapter | None = None,
+        params: StageParams | None = None,
     ) -> torch.Tensor:
         """Run hidden states [batch, tokens, hidden] whose first token is the sequence's `offset`-th.
 
         `attention_mask` [batch, offset + tokens] marks padding (None: none); `position_ids`
-        [batch, tokens] default to the sequence positions; `adapter` is the session's own."""
-        return self._run(hidden, offset, cache, attention_mask, position_ids, adapter).cpu()
+        [batch, tokens] default to the sequence positions; `params` are the session's own (its client's adapter)."""
+        return self._run(hidden, offset, cache, attention_mask, position_ids, params).cpu()
 
     @torch.inference_mode()
     def forward_batch(
@@ -154,7 +162,7 @@ class Stage:
         hidden: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-        adapter: StageAdapter | None = None,
+        params: StageParams | None = None,
     ) -> Graph:
         """A full-sequence forward that keeps its autograd graph, and how many bytes of activations
         the graph holds (the weights it refers to are not counted: they exist anyway)."""
@@ -169,13 +177,13 @@ class Stage:
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
             inputs = hidden.detach().to(self.device).requires_grad_(True)
-            leaves = [] if adapter is None else [t.detach().to(self.device).requires_grad_(True) for t in adapter.tensors]
-            trained = None if adapter is None else adapter.with_tensors(leaves)
+            leaves = [] if params is None else [t.detach().to(self.device).requires_grad_(True) for t in params.tensors]
+            trained = None if params is None else params.with_tensors(leaves)
             out = self._run(inputs, 0, None, attention_mask, position_ids, trained)
         return Graph(out, [inputs, *leaves], held)
 
     def backward(self, graph: Graph, grad_output: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The gradients of a forward's input and of the adapter's parameters, given its output's.
+        """The gradients of a forward's input and of the session's parameters, given its output's.
         A training replica's weights (those that require grad) add theirs to their `.grad`."""
         weights = [p for p in self.module.parameters() if p.requires_grad]
         wanted = [*graph.leaves, *weights]

@@ -72,7 +72,7 @@ def layer_of(name: str) -> int:
 
 
 @dataclass
-class StageAdapter:
+class StageParams:
     """The parameters a session gave this stage, checked against its modules; paths are local."""
 
     digest: str
@@ -82,17 +82,17 @@ class StageAdapter:
     lora: dict[str, tuple[int, int]] = field(default_factory=dict)  # local module path -> (index of A, index of B)
     prompts: dict[int, int] = field(default_factory=dict)  # local layer -> index of its prompt
 
-    def with_tensors(self, tensors: list[torch.Tensor]) -> StageAdapter:
-        return StageAdapter(self.digest, self.scaling, self.names, tensors, self.lora, self.prompts)
+    def with_tensors(self, tensors: list[torch.Tensor]) -> StageParams:
+        return StageParams(self.digest, self.scaling, self.names, tensors, self.lora, self.prompts)
 
 
-def stage_adapter(
+def stage_params(
     module: nn.Module, start: int, end: int, entries: dict[str, torch.Tensor], scaling: float, digest: str
-) -> StageAdapter:
+) -> StageParams:
     """Check a session's parameters for layers [start, end) against this stage's own modules."""
     if not 0 < abs(scaling) < 1e4:
         raise RequestError(f"adapter: LoRA scaling must be a nonzero number below 1e4, got {scaling}")
-    adapter = StageAdapter(digest, scaling, list(entries), list(entries.values()))
+    params = StageParams(digest, scaling, list(entries), list(entries.values()))
     hidden = module.config.hidden_size
     rank = None
     for index, (name, tensor) in enumerate(entries.items()):
@@ -104,7 +104,7 @@ def stage_adapter(
         if rest == PROMPT:
             if tensor.dim() != 2 or tensor.shape[1] != hidden or not 0 < tensor.shape[0] <= MAX_PROMPT_TOKENS:
                 raise RequestError(f"adapter: {name} must be [1..{MAX_PROMPT_TOKENS}, {hidden}], got {list(tensor.shape)}")
-            adapter.prompts[layer - start] = index
+            params.prompts[layer - start] = index
             continue
         path, _, which = rest.rpartition(".")
         target = _submodule(module, f"{local}.{path}")
@@ -115,15 +115,15 @@ def stage_adapter(
         if list(tensor.shape) != want or not 0 < r <= MAX_RANK or rank not in (None, r):
             raise RequestError(f"adapter: {name} must be {want} with one rank in 1..{MAX_RANK}, got {list(tensor.shape)}")
         rank = r
-        pair = adapter.lora.get(f"{local}.{path}", (-1, -1))
-        adapter.lora[f"{local}.{path}"] = (index, pair[1]) if which == "lora_A" else (pair[0], index)
-    half = [path for path, pair in adapter.lora.items() if -1 in pair]
+        pair = params.lora.get(f"{local}.{path}", (-1, -1))
+        params.lora[f"{local}.{path}"] = (index, pair[1]) if which == "lora_A" else (pair[0], index)
+    half = [path for path, pair in params.lora.items() if -1 in pair]
     if half:
         raise RequestError(f"adapter: {half[0]} has only one of lora_A and lora_B")
-    lengths = {adapter.tensors[i].shape[0] for i in adapter.prompts.values()}
+    lengths = {params.tensors[i].shape[0] for i in params.prompts.values()}
     if len(lengths) > 1:
         raise RequestError("adapter: deep prompts of different lengths")
-    return adapter
+    return params
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module | None:
@@ -134,20 +134,20 @@ def _submodule(module: nn.Module, path: str) -> nn.Module | None:
 
 
 @contextmanager
-def applied(module: nn.Module, adapter: StageAdapter | None, offset: int) -> Iterator[None]:
-    """Run `module` with the adapter: LoRA added to its projections' outputs, deep prompts added to
+def applied(module: nn.Module, params: StageParams | None, offset: int) -> Iterator[None]:
+    """Run `module` with a session's parameters: LoRA added to its projections' outputs, deep prompts added to
     the hidden states of sequence positions [0, prompt length) before their layers. `offset` is
     where this step's first token sits in its sequence (a KV cache holds the ones before)."""
-    if adapter is None:
+    if params is None:
         yield
         return
     handles = []
     try:
-        for path, (a, b) in adapter.lora.items():
-            hook = _lora_hook(adapter.tensors[a], adapter.tensors[b], adapter.scaling)
+        for path, (a, b) in params.lora.items():
+            hook = _lora_hook(params.tensors[a], params.tensors[b], params.scaling)
             handles.append(module.get_submodule(path).register_forward_hook(hook))
-        for layer, index in adapter.prompts.items():
-            hook = _prompt_hook(adapter.tensors[index], offset)
+        for layer, index in params.prompts.items():
+            hook = _prompt_hook(params.tensors[index], offset)
             handles.append(module.get_submodule(f"layers.{layer}").register_forward_pre_hook(hook))
         yield
     finally:

@@ -23,7 +23,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import ProofError
 
 # streams one source holds open at once: a client's 64 sessions (the peer's default share per
 # client) hold up to two each (the session's, and at its last hop its results), plus pings
@@ -140,25 +140,25 @@ class ClientKey:
 
 
 def proof_parts(entry: object, name: str, max_key: int, max_sig: int) -> tuple[bytes, bytes]:
-    """The key and signature of a hello's proof entry `name`, checked for form (RouteError if not)."""
+    """The key and signature of a hello's proof entry `name`, checked for form (ProofError if not)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("key"), bytes) or not isinstance(entry.get("sig"), bytes):
-        raise RouteError(f"hello: `{name}` must hold a key and a signature")
+        raise ProofError(f"hello: `{name}` must hold a key and a signature")
     if len(entry["key"]) > max_key or len(entry["sig"]) > max_sig:
-        raise RouteError(f"hello: the {name}'s key or signature is too long")
+        raise ProofError(f"hello: the {name}'s key or signature is too long")
     return entry["key"], entry["sig"]
 
 
 def client_of(entry: object, peer_id: str) -> str | None:
     """The client a hello's `client` entry proves, for a connection to `peer_id`; None without one.
-    Raises RouteError for a malformed or false proof."""
+    Raises ProofError for a malformed or false proof."""
     if entry is None:
         return None
     key, sig = proof_parts(entry, "client", MAX_KEY_BYTES, MAX_SIG_BYTES)
     try:
         public = serialization.load_der_public_key(key)
         if not isinstance(public, ec.EllipticCurvePublicKey):
-            raise RouteError("hello: the client's key is not an elliptic-curve key")
+            raise ProofError("hello: the client's key is not an elliptic-curve key")
         public.verify(sig, HELLO_PREFIX + peer_id.encode(), ec.ECDSA(hashes.SHA256()))
     except (ValueError, TypeError, InvalidSignature) as exc:
-        raise RouteError(f"hello: the client's proof does not hold: {exc!r}") from None
+        raise ProofError(f"hello: the client's proof does not hold: {exc!r}") from None
     return "key:" + hashlib.sha256(key).hexdigest()[:20]

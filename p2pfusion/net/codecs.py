@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 import torch
 
 from p2pfusion.errors import RequestError
+from p2pfusion.net.compression import Codec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
@@ -42,14 +42,6 @@ DECODE_CHUNK = 1 << 18  # entries int8 dequantizes at once: its float32 scratch 
 
 class CodecError(RequestError):
     """A frame's tensor description is malformed or does not match its bytes."""
-
-
-class Codec(str, Enum):
-    NONE = "none"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-    INT8 = "int8"
-    TOPK = "topk"
 
 
 @dataclass(frozen=True)

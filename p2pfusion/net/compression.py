@@ -14,10 +14,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
+from typing import Annotated
 
-from p2pfusion.net.codecs import Codec
+from p2pfusion.net.wire import Bound, WireError
 
-AUTO = "auto"
+
+class Codec(str, Enum):
+    """How a tensor travels (net/codecs.py encodes each)."""
+
+    NONE = "none"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    INT8 = "int8"
+    TOPK = "topk"
+
+
+class Auto(Enum):
+    """Let each link choose its codec from its measured speed (`choose_codec`)."""
+
+    AUTO = "auto"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+AUTO = Auto.AUTO
+Compression = Codec | Auto  # what a client or peer asks for: one codec on every link, or each link's choice
+
 # Bytes of float32 input coded and decoded per second, one core of this project's 2-core machine
 # (scripts/bench_codecs.py); what matters is their order against the link's bytes per second.
 CODEC_SPEED = {Codec.NONE: math.inf, Codec.FLOAT16: 1.6e9, Codec.BFLOAT16: 1.6e9, Codec.INT8: 1.1e9, Codec.TOPK: 2.3e8}
@@ -40,8 +63,12 @@ class Purpose(str, Enum):
 
 @dataclass(frozen=True)
 class LinkSpeed:
-    rtt: float  # seconds
-    bytes_per_second: float
+    rtt: Annotated[float, Bound(0)]  # seconds
+    bytes_per_second: Annotated[float, Bound(0)]  # positive: see `check`
+
+    def check(self) -> None:
+        if self.bytes_per_second <= 0:
+            raise WireError("field 'bytes_per_second' must be positive")
 
 
 @dataclass(frozen=True)
@@ -50,10 +77,12 @@ class CodecChoice:
     k: int | None = None  # top-k's kept entries
 
 
-def parse_compression(text: str) -> str:
+def parse_compression(text: str) -> Compression:
     """`auto` or a codec's name; ValueError with the valid names otherwise."""
-    if text == AUTO or text in {c.value for c in Codec}:
-        return text
+    if text == AUTO.value:
+        return AUTO
+    if text in {c.value for c in Codec}:
+        return Codec(text)
     raise ValueError(f"unknown compression {text!r}; choose from auto, {', '.join(c.value for c in Codec)}")
 
 
@@ -74,13 +103,13 @@ def choose_codec(
     link: LinkSpeed | None,
     payload_bytes: int,
     purpose: Purpose = Purpose.INFERENCE,
-    forced: str = AUTO,
+    forced: Compression = AUTO,
     budget: float | None = None,
 ) -> CodecChoice:
     """The codec for one tensor of `payload_bytes` (as float32) on `link`; `budget` is the seconds a
     training step can spend on this transfer. An unmeasured link gets the raw tensor."""
-    if forced != AUTO:
-        codec = Codec(forced)
+    if isinstance(forced, Codec):
+        codec = forced
         if codec == Codec.TOPK:
             if link is None or budget is None:
                 return CodecChoice(codec, math.ceil(MIN_DENSITY * payload_bytes / 4))

@@ -26,16 +26,12 @@ from google.protobuf.message import DecodeError
 from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import ConfigError, ProofError
 from p2pfusion.net.clients import proof_parts
 
 SIGNED_KEY_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")  # libp2p's, from its TLS spec
 SIGNATURE_PREFIX = b"libp2p-tls-handshake:"
 SHA2_256 = 0x12
-
-
-class IdentityError(RouteError):
-    """A peer's TLS certificate does not prove the identity we expected."""
 
 
 KEY_MODE = 0o600  # key files are readable by their owner only
@@ -68,12 +64,12 @@ class Identity:
         try:
             raw = crypto_pb2.PrivateKey.FromString(path.read_bytes())
             if raw.key_type != crypto_pb2.KeyType.RSA:
-                raise IdentityError(f"{path}: only RSA identities are supported")
+                raise ConfigError(f"{path}: only RSA identities are supported")
             key = serialization.load_der_private_key(raw.data, password=None)
         except (OSError, ValueError, DecodeError) as exc:
-            raise IdentityError(f"{path} is not a readable libp2p identity file: {exc}") from exc
+            raise ConfigError(f"{path} is not a readable libp2p identity file: {exc}") from exc
         if not isinstance(key, rsa.RSAPrivateKey):
-            raise IdentityError(f"{path}: only RSA identities are supported")
+            raise ConfigError(f"{path}: only RSA identities are supported")
         _restrict(path)
         return cls(key, path)
 
@@ -112,7 +108,7 @@ class Identity:
         try:
             cert = x509.load_pem_x509_certificate(pem)
             verify_peer(cert.public_bytes(serialization.Encoding.DER), self.peer_id)
-        except (ValueError, IdentityError):
+        except (ValueError, ProofError):
             return False
         now = datetime.datetime.now(datetime.timezone.utc)
         return cert.not_valid_after_utc - now > CERT_MIN_LIFE
@@ -138,7 +134,7 @@ def _write_private(path: Path, data: bytes) -> None:
             f.write(data)
         tmp.replace(path)
     except OSError as exc:
-        raise IdentityError(f"cannot write the key file {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"cannot write the key file {path}: {exc.strerror or exc}") from exc
 
 
 def _restrict(path: Path) -> None:
@@ -148,7 +144,7 @@ def _restrict(path: Path) -> None:
         try:
             path.chmod(mode & 0o700)
         except OSError as exc:
-            raise IdentityError(f"{path} is readable by other users and cannot be restricted: {exc.strerror}") from exc
+            raise ConfigError(f"{path} is readable by other users and cannot be restricted: {exc.strerror}") from exc
 
 
 def _self_signed(tls_key: ec.EllipticCurvePrivateKey, subject: str, signed_key: bytes) -> x509.Certificate:
@@ -195,29 +191,29 @@ def peer_id_of(public_key_proto: bytes) -> str:
 
 
 def verify_peer(certificate_der: bytes | None, expected_peer_id: str) -> None:
-    """Raise IdentityError unless the certificate was signed off by `expected_peer_id`'s key."""
+    """Raise ProofError unless the certificate was signed off by `expected_peer_id`'s key."""
     if not certificate_der:
-        raise IdentityError(f"peer {expected_peer_id} presented no certificate")
+        raise ProofError(f"peer {expected_peer_id} presented no certificate")
     try:
         cert = x509.load_der_x509_certificate(certificate_der)
         extension = cert.extensions.get_extension_for_oid(SIGNED_KEY_OID).value
         public_key_proto, signature = _parse_signed_key(extension.value)
         proto = crypto_pb2.PublicKey.FromString(public_key_proto)
     except (ValueError, x509.ExtensionNotFound, IndexError) as exc:
-        raise IdentityError(f"peer {expected_peer_id} presented a certificate without a valid libp2p key: {exc}") from exc
+        raise ProofError(f"peer {expected_peer_id} presented a certificate without a valid libp2p key: {exc}") from exc
     if peer_id_of(public_key_proto) != expected_peer_id:
-        raise IdentityError(f"the peer at that address is not {expected_peer_id}")
+        raise ProofError(f"the peer at that address is not {expected_peer_id}")
     if proto.key_type != crypto_pb2.KeyType.RSA:
-        raise IdentityError(f"peer {expected_peer_id} uses a key type this version cannot check")
+        raise ProofError(f"peer {expected_peer_id} uses a key type this version cannot check")
     identity_key = serialization.load_der_public_key(proto.data)
     now = datetime.datetime.now(datetime.timezone.utc)
     if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
-        raise IdentityError(f"peer {expected_peer_id} presented an expired certificate")
+        raise ProofError(f"peer {expected_peer_id} presented an expired certificate")
     spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     try:
         identity_key.verify(signature, SIGNATURE_PREFIX + spki, padding.PKCS1v15(), hashes.SHA256())
     except InvalidSignature as exc:
-        raise IdentityError(f"peer {expected_peer_id}'s certificate is not signed by its identity key") from exc
+        raise ProofError(f"peer {expected_peer_id}'s certificate is not signed by its identity key") from exc
 
 
 PEER_HELLO_PREFIX = b"p2pfusion peer hello for "
@@ -245,20 +241,20 @@ class PeerProofs:
 
 def peer_of(entry: object, peer_id: str) -> str | None:
     """The peer id a hello's `peer` entry proves, for a connection to `peer_id`; None without one.
-    Raises RouteError for a malformed or false proof."""
+    Raises ProofError for a malformed or false proof."""
     if entry is None:
         return None
     key, sig = proof_parts(entry, "peer", MAX_PEER_KEY_BYTES, MAX_PEER_SIG_BYTES)
     try:
         proto = crypto_pb2.PublicKey.FromString(key)
         if proto.key_type != crypto_pb2.KeyType.RSA:
-            raise IdentityError("hello: the peer's key is not an RSA key")
+            raise ProofError("hello: the peer's key is not an RSA key")
         public = serialization.load_der_public_key(proto.data)
         if not isinstance(public, rsa.RSAPublicKey):
-            raise IdentityError("hello: the peer's key is not an RSA key")
+            raise ProofError("hello: the peer's key is not an RSA key")
         public.verify(sig, PEER_HELLO_PREFIX + peer_id.encode(), padding.PKCS1v15(), hashes.SHA256())
     except (ValueError, TypeError, DecodeError, InvalidSignature) as exc:
-        raise IdentityError(f"hello: the peer's proof does not hold: {exc!r}") from None
+        raise ProofError(f"hello: the peer's proof does not hold: {exc!r}") from None
     return peer_id_of(key)
 
 

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import time
 
+from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import probe
 from p2pfusion.net.compression import LinkSpeed
 from p2pfusion.net.transport import Transport
@@ -44,7 +45,7 @@ class LinkBook:
     async def _measure(self, peer_id: str, data_addrs: list[str]) -> LinkSpeed | None:
         try:
             link = await probe.measure_link(self.transport, peer_id, data_addrs, PROBE_BYTES, PROBE_TIMEOUT)
-        except Exception as exc:  # libp2p reports unreachable peers as assorted errors; unmeasured links go uncompressed
+        except (PeerFailed, RequestError, EOFError, OSError, TimeoutError) as exc:  # unmeasured links go uncompressed
             log.info("could not measure the link to %s: %r", peer_id, exc)
             link = None
         now = time.monotonic()

@@ -8,10 +8,11 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
    or a `Result` to the client's output stream if it is the last.
 4. In a training session, `Backward` carries the gradient of a step's output from the client to
    the last hop, and each hop sends the gradient of its input upstream, down to the client.
-5. An `Adapter` travels down before the steps that use it: the session's own trainable parameters
-   (LoRA, deep prompts), sent once per version and named by a digest that each `Step` repeats.
-   Each hop keeps the part for its layers and passes the rest on. In training, each hop sends the
-   gradients of its part upstream as `ParamGrads`, before its input's `Backward`.
+5. `Params` travels down before the steps that use it: the session's own trainable parameters
+   (LoRA, deep prompts: the client's adapter), sent once per version and named by a digest that
+   each `Step` repeats. Each hop keeps the part for its layers and passes the rest on. In
+   training, each hop sends the gradients of its part upstream as `ParamGrads`, before its
+   input's `Backward`.
 6. `Error` travels back upstream to the client; `Close` travels down and frees every KV cache.
    An error that names `failed_peer` means that peer is gone: the client routes around it.
 7. A peer that is leaving sends `Leaving` upstream once its steps in flight are done, so the
@@ -19,58 +20,78 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
 8. `Ping` on a fresh stream asks a peer whether it serves: `Ack`, or an `Error` naming itself
    when it is leaving. A client confirms with it what one peer says about another.
 Each hop adds its own compute time to a step's `timings`, for logs; routing never trusts them.
-An `Error` may carry a `code`: "busy" (no room now: try another peer, or this one after its
-`retry_after` seconds) or "expired" (the session sat idle and was closed: open it again). Neither
+An `Error` may carry a `code`: busy (no room now: try another peer, or this one after its
+`retry_after` seconds) or expired (the session sat idle and was closed: open it again). Neither
 is a fault of the peer.
+
+Every message is a wire type (net/wire.py): its annotations are what a header must hold.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Annotated, Any, ClassVar
 
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RequestError, SessionExpired
-from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, parse_compression
+from p2pfusion.net.compression import AUTO, Compression, LinkSpeed, Purpose
+from p2pfusion.net.wire import Bound, Length, decode_as, encode
 
-PROTOCOL = "p2pfusion.inference.v3"
+PROTOCOL = "p2pfusion.inference.v4"
 MAX_STEP_TOKENS = 8192  # batch x tokens of one step: bounds a peer's memory per step
 MAX_SAVED = 8  # training steps a peer keeps awaiting their backward pass, per session
-BUSY = "busy"
-EXPIRED = "expired"
-ERROR_CODES = (BUSY, EXPIRED)
+MAX_ROUTE = 256  # hops in one route
+MAX_HOP_ADDRS = 8  # a peer dials at most MAX_DIALED of them, and only those its next hop announced
+MAX_ID = 128  # characters of a peer or session id, an address, a digest
+MAX_ENTRY_DIMS = 4
+MAX_ENTRIES = 1 << 14  # parameters of one adapter: LoRA on every projection of a 2,000-layer model
+MAX_ERROR_TEXT = 500  # error texts reach users' terminals and logs
+MAX_RETRY_AFTER = 600.0  # seconds; a longer wait is no hint a client can act on
+
+Id = Annotated[str, Length(MAX_ID, 1)]
+Count = Annotated[int, Bound(0)]
+Seconds = Annotated[float, Bound(0)]
+Timings = Annotated[list[tuple[Id, Seconds]], Length(MAX_ROUTE)]  # (peer id, compute seconds) per hop
+Shape = Annotated[list[Annotated[int, Bound(1)]], Length(MAX_ENTRY_DIMS, 1)]
+Entries = Annotated[list[tuple[Annotated[str, Length(MAX_ID, 1)], Shape]], Length(MAX_ENTRIES)]  # (name, shape)
+
+
+class ErrorCode(str, Enum):
+    BUSY = "busy"
+    EXPIRED = "expired"
 
 
 @dataclass(frozen=True)
 class Hop:
-    peer_id: str
-    data_addrs: list[str]  # where its direct TLS listener is; empty: reach it through libp2p
-    start: int
-    end: int
+    peer_id: Id
+    data_addrs: Annotated[list[Id], Length(MAX_HOP_ADDRS)]  # its direct TLS listener; empty: through libp2p
+    start: Count
+    end: Count
 
 
 @dataclass(frozen=True)
 class Subscribe:
     kind: ClassVar[str] = "subscribe"
-    session_id: str
+    session_id: Id
 
 
 @dataclass(frozen=True)
 class Open:
     kind: ClassVar[str] = "open"
-    session_id: str
-    max_length: int
-    route: list[Hop] = field(default_factory=list)
-    compression: str = AUTO  # or a codec every hop must use
+    session_id: Id
+    length: Annotated[int, Bound(1)]  # the most positions the session holds
+    route: Annotated[list[Hop], Length(MAX_ROUTE)] = field(default_factory=list)
+    compression: Compression = AUTO  # or a codec every hop must use
     purpose: Purpose = Purpose.INFERENCE
     link: LinkSpeed | None = None  # between the sender of this Open and its receiver (for gradients)
     client_link: LinkSpeed | None = None  # between the client and the last hop (for results)
-    batch: int = 1  # the most sequences a step may carry: the peer reserves batch x max_length of KV
+    batch: Annotated[int, Bound(1, MAX_STEP_TOKENS)] = 1  # sequences a step may carry: the peer reserves batch x length of KV
     # set by a hop relaying the session: the client it came from, so the next hops share compute
     # fairly among the clients within that hop's own share (a claim, which divides only its share)
-    client: str | None = None
+    client: Id | None = None
     # set by a hop relaying the session: the address the first hop saw the client at, which the
     # next hops count the session's caps against where the swarm lists the relaying peer
-    origin: str | None = None
+    origin: Id | None = None
 
 
 @dataclass(frozen=True)
@@ -84,34 +105,34 @@ class Step:
 
     `mask` is the attention mask of the whole sequence so far as bytes of 0/1 [batch, length]
     (None: no padding); `positions` the new tokens' position ids as little-endian int32
-    [batch, tokens] (None: their sequence positions); `adapter` the digest of the parameters the
+    [batch, tokens] (None: their sequence positions); `params` the digest of the parameters the
     client expects this step to use (None: none)."""
 
     kind: ClassVar[str] = "step"
     step: int
-    timings: list[tuple[str, float]] = field(default_factory=list)  # (peer id, compute seconds) per hop
+    timings: Timings = field(default_factory=list)
     mask: bytes | None = None
     positions: bytes | None = None
-    adapter: str | None = None
+    params: Id | None = None
 
 
 @dataclass(frozen=True)
-class Adapter:
+class Params:
     """A session's trainable parameters, as one float32 tensor of the entries' values in order."""
 
-    kind: ClassVar[str] = "adapter"
-    digest: str
+    kind: ClassVar[str] = "params"
+    digest: Id
     scaling: float
-    entries: list[tuple[str, list[int]]]  # (global parameter name, shape)
+    entries: Entries  # (global parameter name, shape)
 
 
 @dataclass(frozen=True)
 class ParamGrads:
-    """The gradients of one hop's adapter parameters for a training step, as one float32 tensor."""
+    """The gradients of one hop's parameters for a training step, as one float32 tensor."""
 
     kind: ClassVar[str] = "param_grads"
     step: int
-    entries: list[tuple[str, list[int]]]  # (global parameter name, shape)
+    entries: Entries  # (global parameter name, shape)
 
 
 @dataclass(frozen=True)
@@ -120,30 +141,36 @@ class Backward:
 
     kind: ClassVar[str] = "backward"
     step: int
-    timings: list[tuple[str, float]] = field(default_factory=list)
+    timings: Timings = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Result:
     kind: ClassVar[str] = "result"
     step: int
-    timings: list[tuple[str, float]] = field(default_factory=list)
+    timings: Timings = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class Error:
+    """Its text is cut to MAX_ERROR_TEXT, whoever wrote it: it ends up on a user's terminal."""
+
     kind: ClassVar[str] = "error"
     message: str
     step: int = -1
-    failed_peer: str | None = None
-    code: str | None = None  # BUSY or EXPIRED: not a fault, see the module's docstring
-    retry_after: float | None = None  # with BUSY: seconds until the peer expects room, at most MAX_RETRY_AFTER
+    failed_peer: Id | None = None
+    code: ErrorCode | None = None  # not a fault, see the module's docstring
+    retry_after: Annotated[float, Bound(0, MAX_RETRY_AFTER)] | None = None  # with BUSY: seconds until the peer expects room
+
+    def __post_init__(self):
+        if len(self.message) > MAX_ERROR_TEXT:
+            object.__setattr__(self, "message", self.message[:MAX_ERROR_TEXT])
 
 
 @dataclass(frozen=True)
 class Leaving:
     kind: ClassVar[str] = "leaving"
-    peer_id: str
+    peer_id: Id
 
 
 @dataclass(frozen=True)
@@ -156,191 +183,35 @@ class Ping:
     kind: ClassVar[str] = "ping"
 
 
-MESSAGES = {
+Message = Subscribe | Open | Ack | Step | Backward | Result | Error | Close | Leaving | Params | ParamGrads | Ping
+MESSAGES: dict[str, type] = {
     cls.kind: cls
-    for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving, Adapter, ParamGrads, Ping)
+    for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving, Params, ParamGrads, Ping)
 }
-TENSOR_KINDS = frozenset({Step.kind, Result.kind, Backward.kind, Adapter.kind, ParamGrads.kind})
+TENSOR_KINDS = frozenset({Step.kind, Result.kind, Backward.kind, Params.kind, ParamGrads.kind})
 
 
 def to_header(message: Any) -> dict[str, Any]:
-    header = {"kind": message.kind, **asdict(message)}
-    if isinstance(message, Open):
-        header["purpose"] = message.purpose.value
-    return header
+    return {"kind": message.kind, **encode(message)}
 
 
-def _typed(value: Any, expected: type, name: str) -> Any:
-    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-        raise RequestError(f"field {name!r} must be {expected.__name__}, got {type(value).__name__}")
-    return value
-
-
-MAX_ROUTE = 256  # hops in one route
-MAX_HOP_ADDRS = 8  # a peer dials at most MAX_DIALED of them, and only those its next hop announced
-MAX_ID = 128  # characters of a peer or session id
-
-
-def _short(value: Any, name: str) -> str:
-    text = _typed(value, str, name)
-    if not 0 < len(text) <= MAX_ID:
-        raise RequestError(f"field {name!r} must be 1 to {MAX_ID} characters")
-    return text
-
-
-def _hop(raw: Any) -> Hop:
-    if not isinstance(raw, dict):
-        raise RequestError("route entries must be maps")
-    addrs = _typed(raw.get("data_addrs"), list, "data_addrs")
-    if len(addrs) > MAX_HOP_ADDRS:
-        raise RequestError(f"a hop lists at most {MAX_HOP_ADDRS} data addresses, got {len(addrs)}")
-    return Hop(
-        peer_id=_short(raw.get("peer_id"), "peer_id"),
-        data_addrs=[_typed(a, str, "data_addrs")[:MAX_ID] for a in addrs],
-        start=_typed(raw.get("start"), int, "start"),
-        end=_typed(raw.get("end"), int, "end"),
-    )
-
-
-def from_header(header: dict[str, Any]) -> Any:
-    """Validate a decoded header into its message type, or raise RequestError saying why."""
+def from_header(header: dict[str, Any], table: dict[str, type] = MESSAGES) -> Any:
+    """The message a decoded header holds (its kind looked up in `table`), or a RequestError saying why not."""
     kind = header.get("kind")
-    cls = MESSAGES.get(kind) if isinstance(kind, str) else None  # a list or map is no kind (and unhashable)
+    cls = table.get(kind) if isinstance(kind, str) else None  # a list or map is no kind (and unhashable)
     if cls is None:
         raise RequestError(f"unknown message kind {str(kind)[:40]!r}")
-    if cls is Open:
-        route = _typed(header.get("route"), list, "route")
-        if len(route) > MAX_ROUTE:
-            raise RequestError(f"a route has at most {MAX_ROUTE} hops, got {len(route)}")
-        try:
-            compression = parse_compression(_typed(header.get("compression", AUTO), str, "compression"))
-        except ValueError as exc:
-            raise RequestError(str(exc)) from None
-        try:
-            purpose = Purpose(header.get("purpose", Purpose.INFERENCE.value))
-        except ValueError:
-            raise RequestError(f"unknown session purpose {header.get('purpose')!r}") from None
-        return Open(
-            session_id=_short(header.get("session_id"), "session_id"),
-            max_length=_typed(header.get("max_length"), int, "max_length"),
-            route=[_hop(h) for h in route],
-            compression=compression,
-            purpose=purpose,
-            link=_link(header.get("link"), "link"),
-            client_link=_link(header.get("client_link"), "client_link"),
-            batch=_typed(header.get("batch", 1), int, "batch"),
-            client=None if header.get("client") is None else _short(header.get("client"), "client"),
-            origin=None if header.get("origin") is None else _short(header.get("origin"), "origin"),
-        )
-    if cls is Subscribe:
-        return Subscribe(session_id=_short(header.get("session_id"), "session_id"))
-    if cls is Step:
-        return Step(
-            step=_typed(header.get("step"), int, "step"),
-            timings=_timings(header.get("timings", [])),
-            mask=_optional(header.get("mask"), bytes, "mask"),
-            positions=_optional(header.get("positions"), bytes, "positions"),
-            adapter=_optional(header.get("adapter"), str, "adapter"),
-        )
-    if cls in (Backward, Result):
-        return cls(step=_typed(header.get("step"), int, "step"), timings=_timings(header.get("timings", [])))
-    if cls is Adapter:
-        return Adapter(
-            digest=_typed(header.get("digest"), str, "digest"),
-            scaling=_finite(header.get("scaling"), "scaling"),
-            entries=[_entry(e) for e in _typed(header.get("entries"), list, "entries")],
-        )
-    if cls is ParamGrads:
-        entries = [_entry(e) for e in _typed(header.get("entries"), list, "entries")]
-        return ParamGrads(step=_typed(header.get("step"), int, "step"), entries=entries)
-    if cls is Error:
-        failed, code = header.get("failed_peer"), header.get("code")
-        return Error(
-            message=str(header.get("message"))[:MAX_ERROR_TEXT],
-            step=_typed(header.get("step", -1), int, "step"),
-            failed_peer=None if failed is None else _short(failed, "failed_peer"),
-            code=code if code in ERROR_CODES else None,
-            retry_after=_retry_after(header.get("retry_after")),
-        )
-    if cls is Leaving:
-        return Leaving(peer_id=_short(header.get("peer_id"), "peer_id"))
-    return cls()
-
-
-def _optional(value: Any, expected: type, name: str) -> Any:
-    return None if value is None else _typed(value, expected, name)
-
-
-MAX_ENTRY_DIMS = 4
-
-
-def _entry(raw: Any) -> tuple[str, list[int]]:
-    if not (isinstance(raw, (list, tuple)) and len(raw) == 2):
-        raise RequestError("adapter entries must be [name, shape]")
-    shape = _typed(raw[1], list, "entries shape")
-    if not 0 < len(shape) <= MAX_ENTRY_DIMS or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
-        raise RequestError(f"adapter entry shape must be 1 to {MAX_ENTRY_DIMS} positive ints, got {shape!r}")
-    return _typed(raw[0], str, "entries name"), shape
-
-
-MAX_ERROR_TEXT = 500  # error texts reach users' terminals and logs
+    return decode_as(cls, header, kind)
 
 
 def raise_for_error(reply: Any) -> None:
     """Raise an Error reply: PeerBusy or SessionExpired by its code, PeerFailed when it names a
     failed peer (route around it), else PeerRefused."""
     if isinstance(reply, Error):
-        if reply.code == BUSY:
+        if reply.code == ErrorCode.BUSY:
             raise PeerBusy(reply.message, reply.failed_peer, reply.retry_after)
-        if reply.code == EXPIRED:
+        if reply.code == ErrorCode.EXPIRED:
             raise SessionExpired(reply.message, reply.failed_peer)
         if reply.failed_peer is not None:
             raise PeerFailed(reply.message, reply.failed_peer)
         raise PeerRefused(reply.message)
-
-
-def _finite(raw: Any, name: str) -> float:
-    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not abs(raw) < float("inf"):
-        raise RequestError(f"field {name!r} must be a finite number")
-    return float(raw)
-
-
-def _non_negative(raw: Any, name: str) -> float:
-    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not 0 <= raw < float("inf"):
-        raise RequestError(f"field {name!r} must be a finite number >= 0")
-    return float(raw)
-
-
-MAX_RETRY_AFTER = 600.0  # seconds; a longer wait is no hint a client can act on
-
-
-def _retry_after(raw: Any) -> float | None:
-    if raw is None:
-        return None
-    seconds = _non_negative(raw, "retry_after")
-    if seconds > MAX_RETRY_AFTER:
-        raise RequestError(f"field 'retry_after' must be at most {MAX_RETRY_AFTER:g} s")
-    return seconds
-
-
-def _link(raw: Any, name: str) -> LinkSpeed | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise RequestError(f"field {name!r} must be a map")
-    bandwidth = _non_negative(raw.get("bytes_per_second"), f"{name}.bytes_per_second")
-    if bandwidth == 0:
-        raise RequestError(f"field {name}.bytes_per_second must be positive")
-    return LinkSpeed(rtt=_non_negative(raw.get("rtt"), f"{name}.rtt"), bytes_per_second=bandwidth)
-
-
-def _timings(raw: Any) -> list[tuple[str, float]]:
-    entries = _typed(raw, list, "timings")
-    if len(entries) > MAX_ROUTE:
-        raise RequestError(f"timings list at most {MAX_ROUTE} hops")
-    out = []
-    for entry in entries:
-        if not (isinstance(entry, (list, tuple)) and len(entry) == 2):
-            raise RequestError("timings entries must be [peer_id, seconds]")
-        out.append((_short(entry[0], "timings"), _non_negative(entry[1], "timings seconds")))
-    return out

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 import torch
 
-from p2pfusion.errors import RequestError
+from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net.clients import Source
 from p2pfusion.net.compression import LinkSpeed
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
@@ -71,7 +71,7 @@ async def reachable(transport: Transport, peer_id: str, data_addrs: list[str], t
     try:
         await asyncio.wait_for(_rtt(transport, peer_id, data_addrs), timeout)
         return True
-    except Exception:  # the libp2p daemon reports a dead or unreachable peer as assorted error types
+    except (PeerFailed, RequestError, EOFError, OSError, TimeoutError):  # unreachable, silent, or no echo
         return False
 
 

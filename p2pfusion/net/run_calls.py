@@ -1,6 +1,6 @@
 """Calling a training replica (net/run_messages.py): one request on a fresh stream, and its answers.
 
-A replica that cannot be dialled, or goes silent, is a PeerFailed naming it; one that answers with
+A replica that cannot be dialled (PeerUnreachable), or goes silent, is a PeerFailed naming it; one that answers with
 an Error is a PeerRefused (or what the Error's code says); an answer that is not what the
 request asks for is a RequestError.
 """
@@ -23,16 +23,9 @@ DIAL_TIMEOUT = 5.0
 STATE_TIMEOUT = 600.0  # a whole stage's weights and optimizer state
 
 
-async def _open(transport: Transport, peer_id: str, addrs: list[str]):
-    try:
-        return await transport.open(peer_id, addrs, t.PROTOCOL, DIAL_TIMEOUT)
-    except Exception as exc:  # libp2p dials fail with assorted types; any of them means that peer is gone
-        raise PeerFailed(f"replica {peer_id} unreachable: {exc!r}", peer_id) from exc
-
-
 async def call(transport: Transport, peer_id: str, addrs: list[str], request, timeout: float = 30.0):
     """The replica's one answer to `request`: an Ack or a StateEnd, or the Error it sent raised."""
-    reader, writer = await _open(transport, peer_id, addrs)
+    reader, writer = await transport.open(peer_id, addrs, t.PROTOCOL, DIAL_TIMEOUT)
     try:
         await write_frame(writer, t.to_header(request))
         async with asyncio.timeout(timeout):
@@ -60,7 +53,7 @@ async def fetch_state(
     before it is kept: a RequestError when it holds something else, or not all it said."""
     expected = shapes
     state: dict[str, dict[str, torch.Tensor]] = {}
-    reader, writer = await _open(transport, peer_id, addrs)
+    reader, writer = await transport.open(peer_id, addrs, t.PROTOCOL, DIAL_TIMEOUT)
     try:
         await write_frame(writer, t.to_header(request))
         async with asyncio.timeout(STATE_TIMEOUT):

@@ -17,33 +17,45 @@ The micro-batches themselves travel as training sessions of the inference protoc
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar
 
 from p2pfusion.errors import RequestError
 from p2pfusion.net import messages as m
+from p2pfusion.net.wire import Bound, Check, Length
 
 PROTOCOL = "p2pfusion.train.v1"
 MAX_GROUP = 64  # replicas of one stage that average together
 MAX_RUN_NAME = 64
+MAX_NUMBER = 1 << 53  # counts past it are no count a replica could hold
 STATE_KINDS = ("outer", "momentum", "exp_avg", "exp_avg_sq")
 
 
+def is_run_name(name: str) -> bool:
+    return 0 < len(name) <= MAX_RUN_NAME and all(c.isalnum() or c in "-_." for c in name)
+
+
 def check_run_name(name: str) -> str:
-    if not 0 < len(name) <= MAX_RUN_NAME or not all(c.isalnum() or c in "-_." for c in name):
+    """`name`, or a RequestError saying what a run name is (for names a user typed)."""
+    if not is_run_name(name):
         raise RequestError(f"a run name is 1 to {MAX_RUN_NAME} letters, digits, '-', '_' or '.', got {name[:80]!r}")
     return name
+
+
+RunName = Annotated[str, Check(is_run_name, f"a run name: 1 to {MAX_RUN_NAME} letters, digits, '-', '_' or '.'")]
+Count = Annotated[int, Bound(0, MAX_NUMBER)]
+Text = Annotated[str, Length(256)]
+StateKind = Annotated[str, Check(lambda part: part in STATE_KINDS, f"one of {', '.join(STATE_KINDS)}")]
 
 
 @dataclass(frozen=True)
 class ApplyStep:
     kind: ClassVar[str] = "apply_step"
-    run: str
-    round: int  # the outer step the driver's window follows: a replica behind it is refused
-    step: int
-    passes: int  # backward passes the driver's micro-batches ran here (a check)
-    chains: int  # micro-batches among them, each with its own mean loss: the gradients' divisor
+    run: RunName
+    round: Count  # the outer step the driver's window follows: a replica behind it is refused
+    step: Count
+    passes: Count  # backward passes the driver's micro-batches ran here (a check)
+    chains: Count  # micro-batches among them, each with its own mean loss: the gradients' divisor
     lr: float
     beta1: float = 0.9
     beta2: float = 0.999
@@ -54,38 +66,38 @@ class ApplyStep:
 @dataclass(frozen=True)
 class DiscardStep:
     kind: ClassVar[str] = "discard_step"
-    run: str
-    step: int
+    run: RunName
+    step: Count
 
 
 @dataclass(frozen=True)
 class OuterStep:
     kind: ClassVar[str] = "outer_step"
-    run: str
-    round: int
-    group: list[str]
-    attempt: int = 0
+    run: RunName
+    round: Count
+    group: Annotated[list[m.Id], Length(MAX_GROUP)]
+    attempt: Count = 0
     lr: float = 0.7
     momentum: float = 0.9
     timeout: float = 30.0
-    compression: str = "none"
+    compression: Text = "none"
 
 
 @dataclass(frozen=True)
 class FetchState:
     kind: ClassVar[str] = "fetch_state"
-    run: str
-    model: str
-    start: int
-    end: int
+    run: RunName
+    model: Text
+    start: Count
+    end: Count
     weights_only: bool = False
 
 
 @dataclass(frozen=True)
 class Status:
     kind: ClassVar[str] = "status"
-    run: str
-    round: int = 0  # the driver's: a replica behind it fetches the current state from another replica
+    run: RunName
+    round: Count = 0  # the driver's: a replica behind it fetches the current state from another replica
 
 
 @dataclass(frozen=True)
@@ -93,72 +105,33 @@ class StatePart:
     """One parameter's tensor of one kind (`STATE_KINDS`); the tensor travels beside the header."""
 
     kind: ClassVar[str] = "state_part"
-    part: str
-    name: str
+    part: StateKind
+    name: Text
 
 
 @dataclass(frozen=True)
 class StateEnd:
     kind: ClassVar[str] = "state_end"
-    run: str
-    start: int
-    end: int
-    step: int
-    round: int
-    micro: int
-    adam_steps: int
-    names: int  # parameters the replica holds (StatePart frames per kind)
-    averaged_bytes: int = 0  # tensor bytes its averaging rounds received and sent, since it started
+    run: RunName
+    start: Count
+    end: Count
+    step: Count
+    round: Count
+    micro: Count
+    adam_steps: Count
+    names: Count  # parameters the replica holds (StatePart frames per kind)
+    averaged_bytes: Count = 0  # tensor bytes its averaging rounds received and sent, since it started
 
 
-MESSAGES = {cls.kind: cls for cls in (ApplyStep, DiscardStep, OuterStep, FetchState, Status, StatePart, StateEnd)}
-REPLIES = {m.Ack.kind: m.Ack, m.Error.kind: m.Error}
+MESSAGES = {
+    cls.kind: cls for cls in (ApplyStep, DiscardStep, OuterStep, FetchState, Status, StatePart, StateEnd, m.Ack, m.Error)
+}
 
 
 def to_header(message: Any) -> dict[str, Any]:
-    return {"kind": message.kind, **asdict(message)}
-
-
-def _field(name: str, kind: str, raw: Any) -> Any:
-    """A field's value checked against its annotation (a string: this module's annotations are postponed)."""
-    if kind == "int":
-        if type(raw) is not int or not 0 <= raw < 1 << 53:
-            raise RequestError(f"field {name!r} must be a whole number >= 0")
-        return raw
-    if kind == "float":
-        if not isinstance(raw, (int, float)) or isinstance(raw, bool) or not math.isfinite(raw):
-            raise RequestError(f"field {name!r} must be a finite number")
-        return float(raw)
-    if kind == "bool":
-        if not isinstance(raw, bool):
-            raise RequestError(f"field {name!r} must be true or false")
-        return raw
-    if kind == "str":
-        if not isinstance(raw, str) or len(raw) > 256:
-            raise RequestError(f"field {name!r} must be a string of at most 256 characters")
-        return raw
-    if not isinstance(raw, list) or len(raw) > MAX_GROUP or not all(isinstance(p, str) and 0 < len(p) <= m.MAX_ID for p in raw):
-        raise RequestError(f"field {name!r} must list at most {MAX_GROUP} peer ids")
-    return list(raw)
+    return m.to_header(message)
 
 
 def from_header(header: dict[str, Any]) -> Any:
-    """Validate a decoded header into its message type, or raise RequestError saying why."""
-    kind = header.get("kind")
-    if isinstance(kind, str) and kind in REPLIES:
-        return m.from_header(header)
-    cls = MESSAGES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise RequestError(f"unknown training message kind {str(kind)[:40]!r}")
-    values = {}
-    for f in fields(cls):
-        if f.name in header:
-            values[f.name] = _field(f.name, f.type, header[f.name])
-        elif f.default is f.default_factory:  # dataclasses.MISSING on both: a required field
-            raise RequestError(f"{kind}: field {f.name!r} is missing")
-    message = cls(**values)
-    if hasattr(message, "run"):
-        check_run_name(message.run)
-    if isinstance(message, StatePart) and message.part not in STATE_KINDS:
-        raise RequestError(f"state part must be one of {STATE_KINDS}, got {message.part[:40]!r}")
-    return message
+    """The training-run message (or Ack, Error reply) a decoded header holds, or a RequestError saying why not."""
+    return m.from_header(header, MESSAGES)

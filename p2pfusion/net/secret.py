@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict
 from pathlib import Path
 
-from p2pfusion.errors import RequestError
+from p2pfusion.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +39,9 @@ def create_secret_file(path: str | Path) -> Path:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise RequestError(f"{path} already exists: a swarm secret is never overwritten (pick another file)") from None
+        raise ConfigError(f"{path} already exists: a swarm secret is never overwritten (pick another file)") from None
     except OSError as exc:
-        raise RequestError(f"cannot create {path}: {exc.strerror or exc}") from None
+        raise ConfigError(f"cannot create {path}: {exc.strerror or exc}") from None
     with os.fdopen(fd, "w") as file:
         file.write(secrets.token_hex(SECRET_BYTES) + "\n")
     return path
@@ -77,7 +77,7 @@ class SwarmSecret:
 
     def __init__(self, secret: bytes, source: str = "<memory>"):
         if len(secret) != SECRET_BYTES:
-            raise RequestError(f"a swarm secret is {SECRET_BYTES} bytes, got {len(secret)}")
+            raise ConfigError(f"a swarm secret is {SECRET_BYTES} bytes, got {len(secret)}")
         self.source = source
         self.hello_key = _derive(secret, b"hello")
         self.dht_key = _derive(secret, b"dht")
@@ -95,16 +95,16 @@ class SwarmSecret:
             mode = path.stat().st_mode
         except FileNotFoundError:
             hint = "`p2pfusion swarm-secret FILE` makes one"
-            raise RequestError(f"swarm secret file {path} does not exist ({hint})") from None
+            raise ConfigError(f"swarm secret file {path} does not exist ({hint})") from None
         except (OSError, UnicodeDecodeError) as exc:
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not a text file of hex digits"
-            raise RequestError(f"cannot read swarm secret file {path}: {reason}") from None
+            raise ConfigError(f"cannot read swarm secret file {path}: {reason}") from None
         try:
             secret = bytes.fromhex(text.strip())
         except ValueError:
             secret = b""
         if len(secret) != SECRET_BYTES:
-            raise RequestError(
+            raise ConfigError(
                 f"swarm secret file {path} must hold {2 * SECRET_BYTES} hex digits on one line "
                 "(`p2pfusion swarm-secret FILE` makes one)"
             )

@@ -21,9 +21,11 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
 from p2pfusion.net.clients import ClientKey, ConnectionCaps, Source, client_of, source_of
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, PeerProofs, client_context, peer_of, verify_peer
@@ -44,6 +46,11 @@ HELLO_LIMITS = FrameLimits(header=2 << 10, body=0)  # a peer's hello carries its
 REFUSAL_LOG_INTERVAL = 10.0
 # Large enough that a 128-token hidden state arrives without pausing the socket half-way.
 STREAM_LIMIT = 8 << 20
+# What hivemind's libp2p bindings raise when the daemon cannot reach a peer or start: its own
+# errors, socket and stream errors, a malformed peer id or address (ValueError), an answer that is
+# no protobuf, a timeout. Caught around those calls only, so no bug of ours passes for a dead peer.
+LIBP2P_ERRORS = (P2PDaemonError, P2PHandlerError, OSError, EOFError, TimeoutError, ValueError, DecodeError)
+DIRECT_ERRORS = (OSError, TimeoutError, ValueError, ProofError)  # a direct dial: refused, silent, or not the peer
 
 
 class Transport:
@@ -112,9 +119,9 @@ class Transport:
             p2p = await asyncio.wait_for(P2P.create(**kwargs), JOIN_TIMEOUT)
         except TimeoutError as exc:
             raise RouteError(f"cannot reach any initial peer within {JOIN_TIMEOUT:.0f} s: {initial_peers}") from exc
-        except Exception as exc:  # the daemon reports bad addresses and dial failures as assorted errors
+        except LIBP2P_ERRORS as exc:
             if "already taken" in str(exc):
-                raise RouteError(f"another running peer already uses the identity in {identity_path}") from exc
+                raise ConfigError(f"another running peer already uses the identity in {identity_path}") from exc
             if "bootstrap" in str(exc):
                 raise RouteError(f"no initial peer is reachable: {', '.join(initial_peers)}") from exc
             raise RouteError(f"cannot join the swarm through {initial_peers}: {str(exc).splitlines()[0]}") from exc
@@ -130,7 +137,7 @@ class Transport:
     async def listen(self, host: str, port: int = 0) -> list[str]:
         """Accept direct TLS connections on host:port (0: any free port); returns the addresses to announce."""
         if self.identity is None:
-            raise RouteError("a client-mode node does not accept connections")
+            raise RuntimeError("a client-mode node does not accept connections")
         self._server_tls = self.identity.server_context()
         # Connections are accepted here, not by asyncio's server: each is counted against the caps
         # before its TLS handshake starts, and nothing is read from a refused one.
@@ -268,12 +275,12 @@ class Transport:
             # in a private swarm, a stream without the secret learns nothing, not even which protocols exist
             secret = self.secret
             if secret is not None and not secret.admits(header.get("secret"), self.peer_id, str(name), source):
-                raise RouteError("no proof of the swarm secret")
+                raise ProofError("no proof of the swarm secret")
             handler = self._handlers.get(name) if isinstance(name, str) else None
             proven = Source(source, client_of(header.get("client"), self.peer_id), peer_of(header.get("peer"), self.peer_id))
             if handler is None:
                 await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {str(name)[:60]!r}"})
-        except (TimeoutError, EOFError, FrameError, OSError, RouteError) as exc:  # OSError: TLS and socket errors; RouteError: false proofs
+        except (TimeoutError, EOFError, FrameError, OSError, ProofError) as exc:  # OSError: TLS and socket errors
             log.debug("dropped a direct connection before its hello: %r", exc)
             handler = None
         if handler is None:
@@ -284,18 +291,22 @@ class Transport:
 
     async def open(self, peer_id: str, data_addrs: list[str], protocol: str, timeout: float = 15.0) -> Stream:
         """A stream to `protocol` on `peer_id`: direct when one of its first MAX_DIALED addresses
-        answers as that peer within DIRECT_TIMEOUT, else through libp2p within `timeout`."""
+        answers as that peer within DIRECT_TIMEOUT, else through libp2p within `timeout`.
+        PeerUnreachable, naming the peer, when neither path opens."""
         if data_addrs and self._direct_failed.get(peer_id, 0.0) < time.monotonic():
             addrs = data_addrs[:MAX_DIALED]
             try:
                 return await asyncio.wait_for(self._dial(peer_id, addrs, protocol), min(timeout, DIRECT_TIMEOUT))
-            except (OSError, TimeoutError, ValueError, RouteError) as exc:
+            except DIRECT_ERRORS as exc:
                 log.info("no direct connection to %s at %s (%r); using libp2p", peer_id, ", ".join(addrs), exc)
             self._direct_failed = {p: t for p, t in self._direct_failed.items() if t > time.monotonic()}
             self._direct_failed[peer_id] = time.monotonic() + DIRECT_RETRY
-        _, reader, writer = await asyncio.wait_for(
-            self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
-        )
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
+            )
+        except LIBP2P_ERRORS as exc:
+            raise PeerUnreachable(f"peer {peer_id} unreachable: {exc!r}", peer_id) from exc
         if self.secret is not None:  # libp2p names the protocol; the secret needs a frame of its own
             writer.writelines(encode({"secret": self.secret.proof(peer_id, protocol)}))
         return reader, writer
@@ -310,7 +321,7 @@ class Transport:
                 try:
                     winner = await dial
                     return winner
-                except (OSError, ValueError, RouteError) as exc:
+                except (OSError, ValueError, ProofError) as exc:
                     errors.append(exc)
             raise errors[-1]
         finally:

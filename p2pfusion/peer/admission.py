@@ -1,7 +1,7 @@
 """Which sessions a peer admits: a memory budget for KV caches, a cap on sessions, and each
 source's share of them (pure).
 
-A session reserves, when it opens, all the KV cache it may grow to (`batch` x `max_length` x the
+A session reserves, when it opens, all the KV cache it may grow to (`batch` x its `length` x the
 stage's bytes per token), and gives it back when it ends. So a peer never promises more memory
 than its budget, and one source (one client's address) cannot take it all: it gets at most
 `source_share` of the budget and `source_sessions` sessions. A session a listed peer relays counts
@@ -59,7 +59,7 @@ def refusal(budget: Budget, held: list[Reservation], request: Reservation) -> Re
     if request.nbytes > share:
         return Refusal(
             f"a session of {_size(request.nbytes)} never fits here: one client may reserve at most "
-            f"{_size(share)}; ask for a shorter max_length or batch", None,
+            f"{_size(share)}; ask for a shorter session or batch", None,
         )
     if len(held) >= budget.sessions:
         return Refusal(f"{len(held)} sessions open, at most {budget.sessions}", ROOM_RETRY)

@@ -68,7 +68,7 @@ class StageCompute:
         hooks the shared module for its own step; such sessions run alone)."""
         cache = session.cache
         return (
-            session.stage.batchable and inputs.adapter is None and inputs.hidden.shape[1] == 1
+            session.stage.batchable and inputs.params is None and inputs.hidden.shape[1] == 1
             and cache.length > 0 and cache.rows == inputs.hidden.shape[0]
         )
 
@@ -127,11 +127,11 @@ class StageCompute:
         """Tokens [a, b) of an inference step, after the session's cache and the step's tokens before a."""
         rows = inputs.hidden.shape[0] * (b - a)
         self._threads_for(rows)
-        offset = session.length + a
-        mask = None if inputs.mask is None else inputs.mask[:, :session.length + b]
+        offset = session.position + a
+        mask = None if inputs.mask is None else inputs.mask[:, :session.position + b]
         positions = None if inputs.positions is None else inputs.positions[:, a:b]
         started = time.perf_counter()
-        out = session.stage.forward(inputs.hidden[:, a:b], offset, session.cache, mask, positions, inputs.adapter)
+        out = session.stage.forward(inputs.hidden[:, a:b], offset, session.cache, mask, positions, inputs.params)
         if rows > SMALL_STEP_ROWS:  # a prefill's pace, which sizes the chunks of the next ones
             pace = (time.perf_counter() - started) / rows
             self._row_seconds = pace if self._row_seconds is None else 0.7 * self._row_seconds + 0.3 * pace
@@ -155,14 +155,14 @@ class StageCompute:
         self._threads_for(inputs.hidden.shape[0] * inputs.hidden.shape[1])
         stage = session.stage
         if self.graph_bytes >= self.training_memory:  # no room for a graph: the backward pass recomputes
-            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, inputs.adapter)
-        inputs.graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.adapter)
+            return stage.forward(inputs.hidden, 0, None, inputs.mask, inputs.positions, inputs.params)
+        inputs.graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.params)
         return inputs.graph.output.detach().cpu()
 
     def _backward(self, session: Session, inputs: StepInputs, grad: torch.Tensor):
         self._threads_for(inputs.hidden.shape[0] * inputs.hidden.shape[1])
         stage = session.stage
-        graph = inputs.graph or stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.adapter)
+        graph = inputs.graph or stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.params)
         return stage.backward(graph, grad)
 
     def shutdown(self) -> None:

@@ -38,8 +38,8 @@ class StreamLimits:
     relay: FrameLimits  # from the next hop: gradients, errors, notices, adapter gradients
 
 
-def adapter_bytes(stage: Stage, model_layers: int) -> int:
-    """The largest adapter a session may send through this stage: the highest rank on every
+def params_bytes(stage: Stage, model_layers: int) -> int:
+    """The largest parameters (adapter) a session may send through this stage: the highest rank on every
     projection and the longest deep prompt, for this stage's layers and every later one (they pass
     through here), as float32."""
     layer = stage.module.layers[0]
@@ -70,16 +70,16 @@ def _limits(header: int, decoded: int, kinds: set[str]) -> FrameLimits:
 
 
 def stream_limits(stage: Stage, model_layers: int) -> StreamLimits:
-    step, adapter = step_bytes(stage), adapter_bytes(stage, model_layers)
+    step, params = step_bytes(stage), params_bytes(stage, model_layers)
     return StreamLimits(
         first=_limits(FIRST_HEADER_BYTES, step, {m.Step.kind}),
         results=_limits(HEADER_BYTES, step, {m.Backward.kind}),
-        relay=_limits(HEADER_BYTES, max(step, adapter), {m.Backward.kind, m.ParamGrads.kind}),
+        relay=_limits(HEADER_BYTES, max(step, params), {m.Backward.kind, m.ParamGrads.kind}),
     )
 
 
-def session_limits(stage: Stage, model_layers: int, batch: int, max_length: int) -> FrameLimits:
+def session_limits(stage: Stage, model_layers: int, batch: int, length: int) -> FrameLimits:
     """From the hop before, within one session: steps, whose header carries the attention mask of
-    the whole sequence (a byte per position of each sequence) and position ids, and adapters."""
-    header = HEADER_BYTES + batch * max_length + 4 * m.MAX_STEP_TOKENS
-    return _limits(header, max(step_bytes(stage), adapter_bytes(stage, model_layers)), {m.Step.kind, m.Adapter.kind})
+    the whole sequence (a byte per position of each sequence) and position ids, and the session's parameters."""
+    header = HEADER_BYTES + batch * length + 4 * m.MAX_STEP_TOKENS
+    return _limits(header, max(step_bytes(stage), params_bytes(stage, model_layers)), {m.Step.kind, m.Params.kind})

@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 CACHE_SHARE = 0.5  # of the memory left free once the weights are loaded
 MEMORY_SHARE = 0.8  # of the device's free memory, what a peer takes when not told (--max-memory)
-KV_RESERVE_TOKENS = 4096  # tokens of KV cache each layer keeps room for (at most the peer's --max-length)
+KV_RESERVE_TOKENS = 4096  # tokens of KV cache each layer keeps room for (at most the peer's --session-limit)
 # what serving adds to the process beyond its layers: library code paged in by the first steps and
 # a step's activations (a peer of 9 float32 layers of 64 MiB grew by about 100 MiB over its first steps)
 SERVING_RESERVE = 128 << 20
@@ -32,10 +32,10 @@ TRIM_AFTER = 16 << 20  # bytes of sessions freed before the heap is trimmed (or 
 TRIM_EVERY = 10.0
 
 
-def layers_that_fit(budget: int, used: int, layer_bytes: int, kv_token_bytes: int, max_length: int) -> int:
+def layers_that_fit(budget: int, used: int, layer_bytes: int, kv_token_bytes: int, session_limit: int) -> int:
     """Layers of `layer_bytes` each (with their KV reserve) that fit in `budget` bytes, `used`
-    of which the peer already holds; its sessions are at most `max_length` tokens long."""
-    reserve = min(KV_RESERVE_TOKENS, max_length) * kv_token_bytes
+    of which the peer already holds; its sessions are at most `session_limit` tokens long."""
+    reserve = min(KV_RESERVE_TOKENS, session_limit) * kv_token_bytes
     return max(budget - used - SERVING_RESERVE, 0) // (layer_bytes + reserve)
 
 

@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from p2pfusion.errors import PeerBusy, PeerFailed, RequestError, RouteError, SessionExpired
+from p2pfusion.errors import ConfigError, PeerBusy, PeerFailed, RequestError, SessionExpired
 from p2pfusion.models.stage import Stage
 from p2pfusion.peer.batching import Pending
 from p2pfusion.peer.session import Session
@@ -168,11 +168,11 @@ class Exporter:
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Exporter:
     """Serve `registry` at http://host:port/metrics (port 0: a free one). A port taken, or an
-    address not this machine's, is a RouteError of one line."""
+    address not this machine's, is a ConfigError of one line."""
     try:
         httpd, thread = start_http_server(port, host, registry=registry)
     except OSError as exc:
-        raise RouteError(f"cannot serve metrics on {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
+        raise ConfigError(f"cannot serve metrics on {host}:{port}: {(exc.strerror or str(exc)).lower()}") from None
     exporter = Exporter(httpd, thread)
     where = f"[{host}]" if ":" in host else host
     log.info("Prometheus metrics at http://%s:%d/metrics", where, exporter.port)

@@ -20,20 +20,24 @@ from p2pfusion.peer.session import Session
 from p2pfusion.peer.streams import send_quietly, step_of, write
 
 
+# the kinds that may travel upstream, and the peer each names as failed or leaving (None: none)
+UPSTREAM: dict[type, Callable[[Any], str | None]] = {
+    m.ParamGrads: lambda message: None,
+    m.Error: lambda message: message.failed_peer,
+    m.Leaving: lambda message: message.peer_id,
+}
+
+
 def screen(message: Any, downstream: Collection[str], next_peer: str) -> Any:
     """`message` itself when it may go upstream; otherwise an Error naming `next_peer`, which sent it
     (or relayed it: either way that hop broke the protocol). `downstream`: the peers after this hop."""
-    if isinstance(message, m.ParamGrads):
-        return message
-    if isinstance(message, m.Error):
-        blamed = message.failed_peer
-    elif isinstance(message, m.Leaving):
-        blamed = message.peer_id
-    else:
+    named = UPSTREAM.get(type(message))
+    if named is None:
         return m.Error(
             message=f"the next hop {next_peer} sent a {message.kind!r} message upstream, which never travels that way",
             failed_peer=next_peer,
         )
+    blamed = named(message)
     if blamed is None or blamed in downstream:
         return message
     return m.Error(
@@ -75,7 +79,7 @@ async def _relay_one(session: Session, reader, limits: FrameLimits, on_backward:
         await on_backward(session.session_id, message, tensor, session.upstream)
         return True
     passed = screen(message, session.downstream_peers, session.next_peer)
-    if isinstance(passed, m.Error) and passed.code == m.EXPIRED:
+    if isinstance(passed, m.Error) and passed.code == m.ErrorCode.EXPIRED:
         session.mark_expired()
     payload = pack(tensor) if tensor is not None and passed is message else None
     await write(session.upstream, m.to_header(passed), payload)

@@ -102,12 +102,12 @@ class ReplicaService:
             async with asyncio.timeout(10.0):
                 header, _ = await read_frame(reader, REQUEST_LIMITS)
             request = t.from_header(header)
-            if getattr(request, "run", None) != self.replica.run:
-                raise RequestError(f"this peer trains run {self.replica.run!r}, not {getattr(request, 'run', None)!r}")
-            if isinstance(request, t.FetchState):
-                await self._send_state(request, writer)
-                return
-            await self._answer(request, writer)
+            serve = ReplicaService._SERVES.get(type(request))
+            if serve is None:
+                raise RequestError(f"unexpected {request.kind!r} request")
+            if request.run != self.replica.run:
+                raise RequestError(f"this peer trains run {self.replica.run!r}, not {request.run!r}")
+            await serve(self, request, writer)
         except (RequestError, FrameError) as exc:
             log.warning("refused a training request from %s: %s", source, exc)
             await send_quietly(writer, m.Error(message=str(exc)))
@@ -116,22 +116,25 @@ class ReplicaService:
         finally:
             writer.close()
 
-    async def _answer(self, request, writer) -> None:
-        replica = self.replica
-        if isinstance(request, t.ApplyStep):
-            hyper = InnerHyper(request.lr, (request.beta1, request.beta2), request.eps, request.weight_decay)
-            await self._compute(replica.apply, request.round, request.step, request.passes, request.chains, hyper)
-        elif isinstance(request, t.DiscardStep):
-            if request.step == replica.step:
-                await self._compute(replica.discard)
-        elif isinstance(request, t.OuterStep):
-            await self._outer_step(request)
-        elif isinstance(request, t.Status):
-            if request.round > replica.round and (self._catching_up is None or self._catching_up.done()):
-                self._catching_up = asyncio.create_task(self.catch_up(request.round))
-        else:
-            raise RequestError(f"unexpected {request.kind!r} request")
-        await write(writer, t.to_header(self._where() if isinstance(request, t.Status) else m.Ack()))
+    async def _apply(self, request: t.ApplyStep, writer) -> None:
+        hyper = InnerHyper(request.lr, (request.beta1, request.beta2), request.eps, request.weight_decay)
+        await self._compute(self.replica.apply, request.round, request.step, request.passes, request.chains, hyper)
+        await write(writer, t.to_header(m.Ack()))
+
+    async def _discard(self, request: t.DiscardStep, writer) -> None:
+        if request.step == self.replica.step:
+            await self._compute(self.replica.discard)
+        await write(writer, t.to_header(m.Ack()))
+
+    async def _outer(self, request: t.OuterStep, writer) -> None:
+        await self._outer_step(request)
+        await write(writer, t.to_header(m.Ack()))
+
+    async def _status(self, request: t.Status, writer) -> None:
+        """Where this replica is; one behind the driver's round starts catching up."""
+        if request.round > self.replica.round and (self._catching_up is None or self._catching_up.done()):
+            self._catching_up = asyncio.create_task(self.catch_up(request.round))
+        await write(writer, t.to_header(self._where()))
 
     def _where(self) -> t.StateEnd:
         r = self.replica
@@ -178,6 +181,9 @@ class ReplicaService:
     def _snapshot(self, kinds: tuple[str, ...]):
         state = self.replica.state()
         return {kind: [x.detach().to("cpu", copy=True) for x in state[kind]] for kind in kinds}, self._where()
+
+    # the driver's requests, and a joining replica's, each answered on its own stream
+    _SERVES = {t.ApplyStep: _apply, t.DiscardStep: _discard, t.OuterStep: _outer, t.Status: _status, t.FetchState: _send_state}
 
 
 async def join_run(swarm: SwarmNode, model: str, run: str, stage: Stage, server: StageServer) -> ReplicaService:

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState
+from p2pfusion.dht.records import DEFAULT_SESSION_LIMIT, ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError
 from p2pfusion.models.formats import WeightFormat, layer_sizes, weight_format
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_config, load_stage
 from p2pfusion.net import probe
-from p2pfusion.net.compression import AUTO
+from p2pfusion.net.compression import AUTO, Compression
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.secret import SwarmSecret
 from p2pfusion.peer.balance import (
@@ -65,8 +65,8 @@ class PeerOptions:
     data_port: int = 0
     identity: str | None = None
     address_file: Path | None = None
-    max_length: int = 2048
-    compression: str = AUTO
+    session_limit: int = DEFAULT_SESSION_LIMIT  # the longest session (tokens) it accepts
+    compression: Compression = AUTO
     training_memory: int = 1 << 30  # bytes of activations kept for training clients' backward passes
     refresh_period: float = 10.0
     watch_period: float = 2.0
@@ -145,7 +145,7 @@ class Peer:
         if options.train is not None:  # weights, their gradients, AdamW's two moments, outer weights and momentum
             layer *= TRAINING_COPIES
         kv = layers_token_bytes(self.config, 1, options.dtype)
-        fit = min(layers_that_fit(budget, used, layer, kv, options.max_length), self.num_layers)
+        fit = min(layers_that_fit(budget, used, layer, kv, options.session_limit), self.num_layers)
         if fit < 1:
             raise ModelError(
                 f"{budget / mib:.0f} MiB of memory cannot hold one layer of {options.source.name} in {self.format.value} "
@@ -210,7 +210,7 @@ class Peer:
             start=placement.start, end=placement.end, state=PeerState.JOINING,
             compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
             batch_rate=bench.batch_rate, rtt=rtt, data_addrs=self.swarm.transport.data_addrs,
-            max_length=self.options.max_length, since=time.time(), weights=self.format.value, train_run=self.options.train,
+            session_limit=self.options.session_limit, since=time.time(), weights=self.format.value, train_run=self.options.train,
         )
         await self.announce()
         if self.options.layers is None:
@@ -219,7 +219,7 @@ class Peer:
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
             stage, self.swarm.transport, self.links, self.directory, self._serving_limits(stage, free), self.num_layers,
-            self.options.max_length, self.options.compression, bench.decode_threads, self.options.training_memory,
+            self.options.session_limit, self.options.compression, bench.decode_threads, self.options.training_memory,
             metrics=self.metrics,
         )
         if self.options.train is not None:

@@ -17,12 +17,13 @@ from collections.abc import Callable
 
 import torch
 
-from p2pfusion.errors import PeerBusy, PeerFailed, RequestError, SessionExpired
+from p2pfusion.dht.records import DEFAULT_SESSION_LIMIT
+from p2pfusion.errors import PeerBusy, PeerFailed, PeerUnreachable, RequestError, SessionExpired
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.clients import Source
 from p2pfusion.net.codecs import pack
-from p2pfusion.net.compression import AUTO, Purpose
+from p2pfusion.net.compression import AUTO, Compression, Purpose
 from p2pfusion.net.framing import BadTensor, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
@@ -53,8 +54,8 @@ class StageServer:
         directory: HopDirectory,
         limits: ServingLimits,
         model_layers: int,
-        max_length: int = 2048,
-        compression: str = AUTO,
+        session_limit: int = DEFAULT_SESSION_LIMIT,
+        compression: Compression = AUTO,
         decode_threads: int | None = None,
         training_memory: int = 1 << 30,
         *,
@@ -68,7 +69,7 @@ class StageServer:
         self.model_layers = model_layers
         self.compression = compression  # what this peer's operator forces, unless the client does
         self.peer_id = transport.peer_id
-        self.max_length = max_length
+        self.session_limit = session_limit  # the longest session it accepts
         self.tokens_done = 0  # tokens computed since start, for the load this peer announces
         self.sessions_opened = 0  # since start, for the peer's periodic report
         self.sessions: dict[str, Session] = {}
@@ -105,7 +106,7 @@ class StageServer:
         stage = self.stage
         if msg.purpose == Purpose.TRAINING:
             return m.MAX_SAVED * m.MAX_STEP_TOKENS * stage.hidden_size * stage.dtype.itemsize
-        return msg.batch * msg.max_length * token_bytes(stage)
+        return msg.batch * msg.length * token_bytes(stage)
 
     async def start(self) -> None:
         await self.transport.add_handler(m.PROTOCOL, self._handle)
@@ -133,15 +134,10 @@ class StageServer:
             except TimeoutError:
                 raise RequestError(f"no request within {self.limits.first_frame_timeout:g} s of connecting") from None
             message = m.from_header(header)
-            if isinstance(message, m.Subscribe):
-                await self._serve_subscriber(message, reader, writer)
-            elif isinstance(message, m.Open):
-                await self._serve_session(message, reader, writer, source)
-            elif isinstance(message, m.Ping):
-                reply = m.Error("this peer is leaving the swarm", failed_peer=self.peer_id) if self.draining else m.Ack()
-                await write(writer, m.to_header(reply))
-            else:
+            serve = StageServer._OPENERS.get(type(message))
+            if serve is None:
                 raise RequestError(f"unknown session: a {message.kind!r} message came before 'open'")
+            await serve(self, message, reader, writer, source)
         except EOFError:
             pass
         except (PeerBusy, SessionExpired) as exc:  # the client's share, or its silence: no fault of anyone
@@ -165,7 +161,11 @@ class StageServer:
         finally:
             writer.close()
 
-    async def _serve_subscriber(self, msg: m.Subscribe, reader, writer) -> None:
+    async def _serve_ping(self, msg: m.Ping, reader, writer, source: Source) -> None:
+        reply = m.Error("this peer is leaving the swarm", failed_peer=self.peer_id) if self.draining else m.Ack()
+        await write(writer, m.to_header(reply))
+
+    async def _serve_subscriber(self, msg: m.Subscribe, reader, writer, source: Source) -> None:
         """The client's stream to the last hop: results go out on it, training gradients come in."""
         self.results.attach(msg.session_id, writer)
         try:
@@ -186,10 +186,8 @@ class StageServer:
                 f"open: this peer serves layers {self.stage.start}:{self.stage.end}, not {hop.start}:{hop.end}",
                 self.peer_id,
             )
-        if not 0 < msg.max_length <= self.max_length:
-            raise RequestError(f"open: max_length must be in 1..{self.max_length}, got {msg.max_length}")
-        if not 0 < msg.batch <= m.MAX_STEP_TOKENS:
-            raise RequestError(f"open: batch must be in 1..{m.MAX_STEP_TOKENS}, got {msg.batch}")
+        if msg.length > self.session_limit:
+            raise RequestError(f"open: a session here holds at most {self.session_limit} tokens, got {msg.length}")
         if msg.session_id in self.sessions:
             raise RequestError(f"open: session {msg.session_id} already exists")
         if self.training_run is not None and msg.purpose != Purpose.TRAINING:
@@ -225,12 +223,12 @@ class StageServer:
         # else's claim divides only its own share
         unit = fairness_unit(source.fairness, msg.client) if origin is None else msg.client or origin
         session = Session(
-            msg.session_id, msg.max_length, self.stage, writer, msg.purpose,
+            msg.session_id, msg.length, self.stage, writer, msg.purpose,
             compression=msg.compression if msg.compression != AUTO else self.compression,
             upstream_link=msg.link, source=caps, client=unit, batch=msg.batch,
             reserved=self._admit(msg, caps),
             downstream_peers=frozenset(hop.peer_id for hop in msg.route[1:]),
-            frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.max_length),
+            frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.length),
         )
         self.sessions[msg.session_id] = session
         self.sessions_opened += 1
@@ -268,17 +266,22 @@ class StageServer:
         addrs = dial_addrs(nxt.data_addrs, announced)
         if session.compression == AUTO:
             session.use_link(await self.links.get(nxt.peer_id, addrs))
+        onward = dataclasses.replace(
+            msg, route=msg.route[1:], link=session.link, client=session.end_client, origin=session.source
+        )
         try:
             reader, writer = await self.transport.open(nxt.peer_id, addrs, m.PROTOCOL)
-            onward = dataclasses.replace(
-                msg, route=msg.route[1:], link=session.link, client=session.end_client, origin=session.source
-            )
+        except PeerUnreachable as exc:
+            raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
+        try:
             await write_frame(writer, m.to_header(onward))
             async with asyncio.timeout(ONWARD_WAIT):
                 header, _ = await read_frame(reader, self.streams.first)
             reply = m.from_header(header)
-        except Exception as exc:  # libp2p dials fail with assorted types; any of them means that hop is gone
-            raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) unreachable: {exc}", nxt.peer_id) from exc
+        except (OSError, EOFError, TimeoutError, RuntimeError, RequestError) as exc:  # RuntimeError: uvloop, closed
+            writer.close()
+            raise PeerFailed(f"next hop {nxt.peer_id} ({nxt.start}:{nxt.end}) did not open the session: {exc!r}",
+                             nxt.peer_id) from exc
         if not isinstance(reply, m.Ack):
             writer.close()
             m.raise_for_error(screen(reply, session.downstream_peers, nxt.peer_id))
@@ -309,13 +312,15 @@ class StageServer:
         arrived = time.perf_counter()
         header, tensor = frame
         message = m.from_header(header)
-        if isinstance(message, m.Close):
-            return False
-        if isinstance(message, m.Adapter):
-            await self._on_adapter(session, message, tensor)
-            return True
-        if not isinstance(message, m.Step):
+        take = StageServer._IN_SESSION.get(type(message))
+        if take is None:
             raise RequestError(f"unexpected {message.kind!r} message inside a session")
+        return await take(self, session, message, tensor, writer, arrived)
+
+    async def _on_close(self, session: Session, message: m.Close, tensor, writer, arrived: float) -> bool:
+        return False
+
+    async def _on_step(self, session: Session, message: m.Step, tensor, writer, arrived: float) -> bool:
         try:
             inputs = session.check_step(message, tensor)
             out, seconds = await self.compute.forward(session, inputs)
@@ -337,17 +342,18 @@ class StageServer:
         self.metrics.step(session, arrived, seconds, positions)
         return True
 
-    async def _on_adapter(self, session: Session, message: m.Adapter, flat: torch.Tensor | None) -> None:
-        """Keep this stage's part of the session's parameters; pass the rest on. A bad adapter ends
-        the session (its steps would run on the wrong parameters)."""
-        rest = session.set_adapter(message, flat)
+    async def _on_params(self, session: Session, message: m.Params, flat: torch.Tensor | None, writer, arrived) -> bool:
+        """Keep this stage's part of the session's parameters; pass the rest on. Bad parameters end
+        the session (its steps would run on the wrong ones)."""
+        rest = session.set_params(message, flat)
         if not rest:
-            return
+            return True
         if session.downstream is None:
             raise RequestError(f"adapter parameter {next(iter(rest))} is for a layer past the end of this route")
         entries = [(name, list(value.shape)) for name, value in rest.items()]
-        onward = m.Adapter(message.digest, message.scaling, entries)
+        onward = m.Params(message.digest, message.scaling, entries)
         await self._send_onward(session, m.to_header(onward), pack(flatten(list(rest.values()))))
+        return True
 
     @staticmethod
     async def _send_onward(session: Session, header: dict, payload) -> None:
@@ -364,7 +370,7 @@ class StageServer:
         session = self.sessions.get(session_id)
         if session is None:
             # it ended here (its upstream went away): the client opens it again and replays
-            gone = m.Error(message=f"backward: session {session_id} is no longer open here", step=message.step, code=m.EXPIRED)
+            gone = m.Error(message=f"backward: session {session_id} is no longer open here", step=message.step, code=m.ErrorCode.EXPIRED)
             self.metrics.error("expired")
             await send_quietly(reply, gone)
             return
@@ -378,7 +384,7 @@ class StageServer:
         session.backward_ran(seconds)
         self._backward_ran()
         if param_grads:  # before the input's gradient, so the client has them all when that comes
-            entries = [(name, list(g.shape)) for name, g in zip(inputs.adapter.names, param_grads)]
+            entries = [(name, list(g.shape)) for name, g in zip(inputs.params.names, param_grads)]
             header = m.to_header(m.ParamGrads(message.step, entries))
             await write(session.upstream, header, pack(flatten(param_grads)))
         timings = [*message.timings, (self.peer_id, seconds)]
@@ -409,3 +415,7 @@ class StageServer:
             await self._on_backward(session_id, message, tensor, writer)
             del header, tensor  # not held while the stream waits for its next gradient
 
+
+    # what a stream's first frame may open, and what may come inside a session
+    _OPENERS = {m.Subscribe: _serve_subscriber, m.Open: _serve_session, m.Ping: _serve_ping}
+    _IN_SESSION = {m.Step: _on_step, m.Params: _on_params, m.Close: _on_close}

@@ -4,7 +4,7 @@ An inference session keeps a KV cache and grows step by step. A training session
 each step is a full forward, whose input is kept until its `Backward` comes (at most MAX_SAVED
 steps at once, so a client cannot fill the peer's memory), with its autograd graph when the peer's
 training memory allows (otherwise the backward pass computes the forward again). Either kind may
-carry an adapter (the client's own parameters for these layers), which lives and dies with the
+carry its client's own parameters for these layers (its adapter's part), which lives and dies with the
 session.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pfusion.errors import RequestError
-from p2pfusion.models.tuning import StageAdapter, layer_of, stage_adapter
+from p2pfusion.models.tuning import StageParams, layer_of, stage_params
 from p2pfusion.models.stage import Graph, Stage
 from p2pfusion.net import messages as m
-from p2pfusion.net.codecs import Codec, ErrorFeedback, Packed, pack
-from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
+from p2pfusion.net.codecs import ErrorFeedback, Packed, pack
+from p2pfusion.net.compression import AUTO, Codec, Compression, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import UNLIMITED, FrameLimits
 from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
 from p2pfusion.peer.batching import UNIT_SEPARATOR
@@ -33,28 +33,28 @@ class StepInputs:
     hidden: torch.Tensor
     mask: torch.Tensor | None
     positions: torch.Tensor | None
-    adapter: StageAdapter | None = None  # the parameters this step ran with: a backward pass uses them too
+    params: StageParams | None = None  # the parameters this step ran with: a backward pass uses them too
     graph: Graph | None = None  # training: the forward's autograd graph, when memory allowed keeping it
 
 
 @dataclass
 class Session:
     session_id: str
-    max_length: int
+    length: int  # the most positions it may hold
     stage: Stage  # kept per session: sessions opened before a move finish on the old layers
     upstream: asyncio.StreamWriter
     purpose: Purpose = Purpose.INFERENCE
-    compression: str = AUTO
+    compression: Compression = AUTO
     link: LinkSpeed | None = None  # to the next hop, or from the last hop to the client
     upstream_link: LinkSpeed | None = None  # to whoever sent us the session (gradients go there)
     cache: object | None = None
-    length: int = 0
+    position: int = 0  # positions its cache holds
     downstream: asyncio.StreamWriter | None = None
     next_peer: str | None = None
     sink: asyncio.StreamWriter | None = None
     relay: asyncio.Task | None = field(default=None, repr=False)
     saved: dict[int, StepInputs] = field(default_factory=dict)  # training: step -> its inputs
-    adapter: StageAdapter | None = None
+    params: StageParams | None = None  # its client's parameters for these layers
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
     # the address its caps count against ("ip:<address>" or "peer:<id>"): the sender's, or, relayed
@@ -101,7 +101,7 @@ class Session:
         if self.training:
             self.saved[message.step] = inputs
         else:
-            self.length += inputs.hidden.shape[1]
+            self.position += inputs.hidden.shape[1]
 
     def end(self) -> list[StepInputs]:
         """Free what the session holds (the object may outlive this, in a task's frame); returns
@@ -128,27 +128,27 @@ class Session:
             raise RequestError(f"a step carries {batch} sequences; this session was opened for at most {self.batch}")
         if batch * tokens > m.MAX_STEP_TOKENS:
             raise RequestError(f"a step holds at most {m.MAX_STEP_TOKENS} tokens (batch x length), got {batch * tokens}")
-        offset = 0 if self.training else self.length
-        if offset + tokens > self.max_length:
-            raise RequestError(f"session length {offset + tokens} exceeds its max_length {self.max_length}")
+        offset = 0 if self.training else self.position
+        if offset + tokens > self.length:
+            raise RequestError(f"session length {offset + tokens} exceeds the {self.length} it was opened for")
         if self.training and len(self.saved) >= m.MAX_SAVED:
             raise RequestError(f"{m.MAX_SAVED} training steps already await their backward pass")
-        held = None if self.adapter is None else self.adapter.digest
-        if message.adapter != held:
-            raise RequestError(f"step expects adapter {message.adapter}, but this session holds {held}")
+        held = None if self.params is None else self.params.digest
+        if message.params != held:
+            raise RequestError(f"step expects parameters {message.params}, but this session holds {held}")
         if not torch.isfinite(tensor).all():
             raise RequestError("hidden states contain NaN or infinity")
         mask = None if message.mask is None else mask_from_wire(message.mask, batch, offset + tokens)
         positions = None if message.positions is None else positions_from_wire(message.positions, batch, tokens)
-        return StepInputs(tensor, mask, positions, self.adapter)
+        return StepInputs(tensor, mask, positions, self.params)
 
-    def set_adapter(self, message: m.Adapter, flat: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    def set_params(self, message: m.Params, flat: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Keep the entries for this stage's layers; return the others, for the hops after us."""
         values = unflatten(flat, [shape for _, shape in message.entries])
         ours, rest = {}, {}
         for (name, _), value in zip(message.entries, values):
             (rest if layer_of(name) >= self.stage.end else ours)[name] = value.to(self.stage.dtype)
-        self.adapter = stage_adapter(self.stage.module, self.stage.start, self.stage.end, ours, message.scaling, message.digest)
+        self.params = stage_params(self.stage.module, self.stage.start, self.stage.end, ours, message.scaling, message.digest)
         return rest
 
     def take_saved(self, step: int, grad: torch.Tensor | None) -> tuple[StepInputs, torch.Tensor]:

@@ -17,8 +17,8 @@ def step_of(header: dict) -> int:
 def error_for(exc: PeerFailed) -> m.Error:
     """The Error that tells a client about `exc`, keeping its code: busy and expired are no faults."""
     if isinstance(exc, PeerBusy):
-        return m.Error(message=str(exc), failed_peer=exc.peer_id, code=m.BUSY, retry_after=exc.retry_after)
-    code = m.EXPIRED if isinstance(exc, SessionExpired) else None
+        return m.Error(message=str(exc), failed_peer=exc.peer_id, code=m.ErrorCode.BUSY, retry_after=exc.retry_after)
+    code = m.ErrorCode.EXPIRED if isinstance(exc, SessionExpired) else None
     return m.Error(message=str(exc), failed_peer=exc.peer_id, code=code)
 
 

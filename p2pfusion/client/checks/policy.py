@@ -18,10 +18,10 @@ import torch
 from p2pfusion.dht.records import FaultReport, PeerRecord
 from p2pfusion.client.route.planner import expected_throughput, usable
 from p2pfusion.errors import RequestError
-from p2pfusion.net.codecs import Codec
-from p2pfusion.net.compression import AUTO
+from p2pfusion.net.compression import AUTO, Codec, Compression
 
 DEFAULT_RATE = 0.05  # chance that a step is checked; a generation's end is always checked
+MAX_REWINDS = 8  # wrong results caught in one generation before it gives up
 MIN_REPORTERS = 2  # distinct clients whose fault reports make others distrust a peer
 
 # Relative L2 error per position between two honest routes' final hidden states. Measured on the
@@ -46,16 +46,16 @@ def check_rate(rate: float) -> float:
     return rate
 
 
-def tolerance(compression: str, dtype: torch.dtype, formats: Collection[str] = ()) -> float:
+def tolerance(compression: Compression, dtype: torch.dtype, formats: Collection[str] = ()) -> float:
     """The largest per-position relative error honest routes show, for a session's codec choice
     (`auto` may have sent float16 on a slow link), the dtype of its hidden states and the weight
     formats of the peers that may compute them."""
-    wire = WIRE_TOLERANCE[Codec.FLOAT16] if compression == AUTO else WIRE_TOLERANCE[Codec(compression)]
+    wire = WIRE_TOLERANCE[Codec.FLOAT16] if compression is AUTO else WIRE_TOLERANCE[compression]
     weights = [FORMAT_TOLERANCE.get(f, math.inf) for f in formats]
     return max(COMPUTE_TOLERANCE.get(dtype, COMPUTE_TOLERANCE[torch.bfloat16]), wire, *weights)
 
 
-def hop_tolerance(compression: str, dtype: torch.dtype, formats: Collection[str] = ()) -> float:
+def hop_tolerance(compression: Compression, dtype: torch.dtype, formats: Collection[str] = ()) -> float:
     return HOP_SHARE * tolerance(compression, dtype, formats)
 
 

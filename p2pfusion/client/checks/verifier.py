@@ -8,7 +8,7 @@ the inputs hop by hop in sessions of one hop: hop k gets the agreed output of ho
 output is compared with other peers of the same layers (a witness, then a third opinion to decide,
 or else the client's own computation of those layers from its copy of the weights). The peer
 found wrong is distrusted, reported in the DHT with the evidence, and the caller rewinds to the
-first wrong position. `Trust` turns other clients' reports into the set of peers not routed through.
+first wrong position. `Distrust` (client/checks/distrust.py) keeps the peers not routed through.
 """
 
 from __future__ import annotations
@@ -21,13 +21,11 @@ import time
 
 import torch
 
-from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession, SwarmAccess, cut, joined
-from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.checks.distrust import REPORT_TIMEOUT, Distrust
 from p2pfusion.client.checks.policy import (
     Culprit,
     alternative_route,
     digest,
-    distrusted_by_reports,
     first_mismatch,
     hop_tolerance,
     judge,
@@ -36,60 +34,28 @@ from p2pfusion.client.checks.policy import (
     unchecked_layers,
     witness_chain,
 )
+from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession, cut, joined
+from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import MAX_WITNESSES, FaultReport, PeerRecord
 from p2pfusion.errors import PeerFailed, RouteError
-from p2pfusion.models.tuning import layer_of
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_stage
-from p2pfusion.net import messages as m
-from p2pfusion.net.payloads import flatten, unflatten
 
 log = logging.getLogger(__name__)
 
-REFRESH_SECONDS = 30.0  # how often other clients' fault reports are read again
-REPORT_TIMEOUT = 10.0
 ATTEMPTS = 3  # checking routes tried before a check gives up
 QUIET_SECONDS = 30.0  # a swarm with no second route is looked at again after this long
 LOCAL_BYTES = 2 << 30  # the most weight bytes the client loads to compute a disputed hop itself
 
 
-class Trust:
-    """The peers a client does not route through (`access.distrusted`): those it caught itself,
-    and those that enough distinct other clients reported."""
-
-    def __init__(self, access: SwarmAccess):
-        self.access = access
-        self.caught: set[str] = set()
-        self.reported: set[str] = set()
-        self._read_at = -math.inf
-
-    async def refresh(self) -> None:
-        if time.monotonic() - self._read_at < REFRESH_SECONDS:
-            return
-        self._read_at = time.monotonic()
-        try:
-            reports = await asyncio.wait_for(self.access.swarm.fault_reports(self.access.model), REPORT_TIMEOUT)
-        except (TimeoutError, OSError) as exc:
-            log.debug("cannot read fault reports: %r", exc)
-            return
-        reported = distrusted_by_reports(reports)
-        self.access.distrusted.difference_update(self.reported - reported - self.caught)
-        self.access.distrusted.update(reported)
-        self.reported = reported
-
-    def catch(self, peer_id: str) -> None:
-        self.caught.add(peer_id)
-        self.access.distrusted.add(peer_id)
-
-
 class Verifier:
     def __init__(
-        self, session: ResilientSession, trust: Trust, source: ModelSource, rate: float, dtype: torch.dtype,
+        self, session: ResilientSession, distrust: Distrust, source: ModelSource, rate: float, dtype: torch.dtype,
         seed: int | None = None,
     ):
         self.session = session
         self.access = session.access
-        self.trust = trust
+        self.distrust = distrust
         self.source = source
         self.rate = rate
         self.dtype = dtype
@@ -100,7 +66,7 @@ class Verifier:
         self.mask: torch.Tensor | None = None  # the last step's, covering the whole sequence
         self.checked = 0  # positions whose outputs another route confirmed
         self.caught: list[str] = []
-        self._shadow: InferenceSession | None = None
+        self._shadow: RouteSession | None = None
         self._shadow_reused: set[str] = set()
         self._shadow_length = 0
         self._quiet_until = 0.0
@@ -208,10 +174,10 @@ class Verifier:
             await self._drop_shadow()  # the session moved onto the shadow's peers
         if self._shadow is None:
             records = await self._records()
-            await self.trust.refresh()
+            await self.distrust.refresh()
             observed = self.access.health.observed
             route = alternative_route(
-                records, self.access.num_layers, primary, self._avoided(records), observed, self.session.max_length,
+                records, self.access.num_layers, primary, self._avoided(records), observed, self.session.length,
                 self.session.first,
             )
             reused = set() if route is None else {r.peer_id for r in route} & primary
@@ -219,7 +185,7 @@ class Verifier:
             if route is None or len(reused) == len(route):
                 self._quiet_until = time.monotonic() + QUIET_SECONDS
                 return None
-            self._shadow = await self._open(route, self.session.max_length)
+            self._shadow = await self._open(route, self.session.length)
             self._shadow_reused, self._shadow_length = reused, 0
         inputs, positions = self._inputs(self._shadow_length, end)
         mask = None if self.mask is None else self.mask[:, :end]
@@ -239,16 +205,12 @@ class Verifier:
         if shadow is not None:
             await shadow.close()
 
-    async def _open(self, route: list[PeerRecord], length: int) -> InferenceSession:
+    async def _open(self, route: list[PeerRecord], length: int) -> RouteSession:
         access = self.access
-        session = await InferenceSession(
-            access.swarm.transport, route, length, access.compression, access.links
-        ).open()
-        params = self.session.params
+        session = await RouteSession(access.swarm.transport, route, length, access.compression, access.links).open()
+        params = None if self.session.params is None else self.session.params.layers(route[0].start, route[-1].end)
         if params is not None:
-            message, flat = params_for(params.message, params.flat, route[0].start, route[-1].end)
-            if message.entries:
-                await session.set_adapter(message, flat)
+            await session.set_params(params)
         return session
 
     def _inputs(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -377,7 +339,7 @@ class Verifier:
         """Distrust a peer caught computing wrong, tell the user, and report it with the evidence."""
         error = float(relative_errors(wrong, right, mask).max())
         error = error if math.isfinite(error) else 1e30
-        self.trust.catch(peer.peer_id)
+        self.distrust.catch(peer.peer_id)
         self.caught.append(peer.peer_id)
         named = ", ".join(sorted(witnesses)) or "this client's own computation"
         log.warning(
@@ -393,11 +355,3 @@ class Verifier:
             await asyncio.wait_for(self.access.swarm.report_faulty(self.access.model, report), REPORT_TIMEOUT)
         except (TimeoutError, OSError, ValueError) as exc:
             log.warning("could not report peer %s: %r", peer.peer_id, exc)
-
-
-def params_for(message: m.Adapter, flat: torch.Tensor, start: int, end: int) -> tuple[m.Adapter, torch.Tensor]:
-    """The part of a session's adapter that layers [start, end) take."""
-    values = unflatten(flat, [shape for _, shape in message.entries])
-    kept = [(entry, value) for entry, value in zip(message.entries, values) if start <= layer_of(entry[0]) < end]
-    part = m.Adapter(message.digest, message.scaling, [entry for entry, _ in kept])
-    return part, flatten([value for _, value in kept])

@@ -15,32 +15,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p2pfusion.client.tune.adapter import Adapter
-from p2pfusion.client.route.failover import ResilientSession
-from p2pfusion.client.route.health import save_observed
-from p2pfusion.client.generate.local_layers import LocalRun
+from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
-from p2pfusion.errors import PromptTooLong, RequestError, RouteError
+from p2pfusion.client.generate.local_layers import LocalRun
+from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.route.planner import new_tokens_within
+from p2pfusion.client.tune.adapter import Adapter
+from p2pfusion.errors import RequestError, RouteError
 
 if TYPE_CHECKING:
     from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 
 log = logging.getLogger(__name__)
-
-MAX_REWINDS = 8  # wrong results caught in one generation before it gives up
-
-
-def new_tokens_within(prompt: int, wanted: int, limit: int) -> int:
-    """How many of the `wanted` new tokens fit after a `prompt` of that many tokens in the swarm's
-    `limit`: a prompt that fills it is refused, and a generation that would pass it is cut there,
-    with a warning, as transformers stops at max_length."""
-    if prompt >= limit:
-        raise PromptTooLong(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
-    if prompt + wanted > limit:
-        log.warning("the swarm accepts %d tokens: generating %d new tokens, not %d", limit, limit - prompt, wanted)
-        return limit - prompt
-    return wanted
-
 
 @dataclass
 class Generated:
@@ -114,12 +100,12 @@ class Conversation:
         reserved = 0 if soft is None else soft.shape[0]  # positions the soft prompt takes
         if self.session is None:
             self.local = await model.local.run(adapter)
-        limit = self.limit if self.session is not None else await model.length_limit(self.local.first) - reserved
+        limit = self.limit if self.session is not None else await model.core.longest_session(self.local.first) - reserved
         total = len(input_ids) + new_tokens_within(len(input_ids), max_new_tokens, limit)
         if self.session is None:
             self.session = await model.open_session((limit if self.keep else total) + reserved, adapter, self.local.first)
             self._opened_with = adapter
-            self.verifier = model.verifier(self.session)
+            self.verifier = model.core.verifier(self.session)
             self.limit, new = limit, input_ids
             route = self.session.session.route
             log.info("route found: %s", ", ".join(f"{r.start}:{r.end} on {r.peer_id[-8:]}" for r in route))
@@ -132,7 +118,7 @@ class Conversation:
             t0 = time.perf_counter()
             embeds = model.embed(new)
             if soft is not None and not self.tokens:  # soft prompt tokens sit before the text, at positions 0..n-1
-                embeds = torch.cat([soft.detach().to(model.dtype)[None], embeds], dim=1)
+                embeds = torch.cat([soft.detach().to(model.core.options.dtype)[None], embeds], dim=1)
             hidden = await self._step(embeds)
             self.tokens += new
             t1 = time.perf_counter()
@@ -201,7 +187,7 @@ class Conversation:
         first = max(position - reserved, 0)  # the first token whose input goes again
         embeds = self.model.embed(sequence[first:])
         if position < reserved:
-            embeds = torch.cat([soft.detach().to(self.model.dtype)[None, position:], embeds], dim=1)
+            embeds = torch.cat([soft.detach().to(self.model.core.options.dtype)[None, position:], embeds], dim=1)
         self.tokens = sequence[:first]
         hidden = await self._step(embeds)
         self.tokens = sequence
@@ -214,4 +200,4 @@ class Conversation:
             await verifier.close()
         if session is not None:
             await session.close()
-            save_observed(self.model.source.key, self.model.health.observed)
+            self.model.core.save_observed()

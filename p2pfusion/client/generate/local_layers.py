@@ -18,20 +18,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Collection
 
 import torch
 
-from p2pfusion.client.tune.adapter import Adapter, RemoteParameters
-from p2pfusion.client.route.failover import SwarmAccess, cut
+from p2pfusion.client.core import ClientCore
+from p2pfusion.client.route.failover import cut
+from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.planner import find_route, usable
-from p2pfusion.client.checks.verifier import params_for
+from p2pfusion.client.tune.adapter import Adapter
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import RequestError, RouteError
-from p2pfusion.models.tuning import StageAdapter, stage_adapter
-from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_stage
-from p2pfusion.net.payloads import unflatten
+from p2pfusion.models.tuning import StageParams, stage_params
 
 log = logging.getLogger(__name__)
 
@@ -65,24 +64,15 @@ def local_boundary(records: list[PeerRecord], num_layers: int, wanted: int, avoi
     raise error
 
 
-def swarm_part(params: RemoteParameters | None, first: int, num_layers: int) -> RemoteParameters | None:
-    """The adapter's parameters for the layers from `first` on, which the swarm applies (a hop
-    refuses parameters for layers before its own)."""
-    if params is None or first == 0:
-        return params
-    message, flat = params_for(params.message, params.flat, first, num_layers)
-    return RemoteParameters(message, flat) if message.entries else None
-
-
 class LocalRun:
     """One session's pass through the local layers: its KV cache and the inputs it holds (a cache
     that a rewind or an interrupted step dropped is rebuilt from them, as peers rebuild a failed
     over session's). Without local layers, the embeddings go to the swarm as they are."""
 
-    def __init__(self, stage: Stage | None = None, params: RemoteParameters | None = None):
+    def __init__(self, stage: Stage | None = None, params: SessionParams | None = None):
         self.stage = stage
         self.first = 0 if stage is None else stage.end  # the layer the swarm starts at
-        self.adapter = None if stage is None or params is None else _local_adapter(stage, params)
+        self.params = None if stage is None or params is None else _local_params(stage, params)
         self._inputs: list[torch.Tensor] = []
         self._cache = None
 
@@ -101,7 +91,7 @@ class LocalRun:
         else:
             inputs, offset = embeds, self.position
         # a worker thread: a long prompt's prefill here must not stall the other sessions' network
-        out = await asyncio.to_thread(self.stage.forward, inputs, offset, cache, None, None, self.adapter)
+        out = await asyncio.to_thread(self.stage.forward, inputs, offset, cache, None, None, self.params)
         self._cache = cache
         self._inputs.append(embeds)
         return out[:, -embeds.shape[1]:].to(embeds.dtype)
@@ -111,27 +101,23 @@ class LocalRun:
         self._inputs, self._cache = cut(self._inputs, length), None
 
 
-def _local_adapter(stage: Stage, params: RemoteParameters) -> StageAdapter | None:
-    message, flat = params_for(params.message, params.flat, 0, stage.end)
-    if not message.entries:
+def _local_params(stage: Stage, params: SessionParams) -> StageParams | None:
+    """The session's parameters for the local layers, hooked as a peer hooks its own."""
+    part = params.layers(0, stage.end)
+    if part is None:
         return None
-    values = unflatten(flat, [shape for _, shape in message.entries])
-    entries = {name: value.to(stage.dtype) for (name, _), value in zip(message.entries, values)}
-    return stage_adapter(stage.module, 0, stage.end, entries, message.scaling, message.digest)
+    entries = {name: value.to(stage.dtype) for name, value in part.named().items()}
+    return stage_params(stage.module, 0, stage.end, entries, part.message.scaling, part.digest)
 
 
 class LocalLayers:
-    """The local layers of one RemoteCausalLM, shared by its sessions: at least the first `wanted`
-    (0: none, the swarm runs every layer), up to the next stage boundary. `access` gives the
-    client's view of the swarm."""
+    """The local layers of one RemoteCausalLM, shared by its sessions: at least the first
+    `local_layers` of the client's options (0: none, the swarm runs every layer), up to the next
+    stage boundary."""
 
-    def __init__(self, source: ModelSource, wanted: int, dtype: torch.dtype, access: Callable[[], SwarmAccess]):
-        if isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 0:
-            raise RequestError(f"local_layers is a whole number of layers (0: none), got {wanted!r}")
-        self.source = source
-        self.wanted = wanted
-        self.dtype = dtype
-        self._access = access
+    def __init__(self, core: ClientCore):
+        self.core = core
+        self.wanted = core.options.local_layers
         self._stages: dict[int, asyncio.Future[Stage]] = {}  # boundary -> its stage, loaded or loading
 
     async def run(self, adapter: Adapter | None) -> LocalRun:
@@ -139,7 +125,7 @@ class LocalLayers:
         to the boundary the swarm offers now."""
         if self.wanted == 0:
             return LocalRun()
-        access = self._access()
+        access = self.core.access()
         records = await access.records(self.wanted)
         avoid = access.health.banned(records) | access.distrusted
         end = local_boundary(records, access.num_layers, self.wanted, avoid)
@@ -149,11 +135,11 @@ class LocalLayers:
         ):
             starts = ", ".join(map(str, stage_starts(records, access.num_layers, avoid)))
             task = self._stages[end] = asyncio.ensure_future(asyncio.to_thread(self._load, end, starts))
-        return LocalRun(await asyncio.shield(task), None if adapter is None else adapter.remote_parameters())
+        return LocalRun(await asyncio.shield(task), None if adapter is None else adapter.session_params())
 
     def _load(self, end: int, starts: str) -> Stage:
         log.info(
             "running layers 0:%d on this machine (--local-layers %d; the swarm's stages start at %s)",
             end, self.wanted, starts,
         )
-        return load_stage(self.source, 0, end, self.dtype)
+        return load_stage(self.core.source, 0, end, self.core.options.dtype)

@@ -1,10 +1,11 @@
 """Many generations at once from one process: `SwarmLM` for asyncio code, `SwarmLMSync` for threads.
 
-Both are thin around the client core the CLI uses (`RemoteCausalLM`, client/generate/causal_lm.py): one
-swarm node and transport, one head and tokenizer, and one record of peers' health, speed and trust
-serve every call, and each call gets a session of its own. The synchronous API runs that core on a
-loop of its own thread (client/loop.py), so calls from many threads at once all run concurrently
-there, and nothing of the core (tokenizer included) is ever used by two threads at once.
+Both are thin around the generation engine the CLI uses (`RemoteCausalLM`, generate/causal_lm.py)
+on one client core (client/core.py): one swarm node and transport, one head and tokenizer, and one
+record of peers' health, speed and trust serve every call, and each call gets a session of its
+own. The synchronous API runs them on a loop of its own thread (client/loop.py), so calls from
+many threads at once all run concurrently there, and nothing of the core (tokenizer included) is
+ever used by two threads at once.
 """
 
 from __future__ import annotations
@@ -17,22 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 
-from p2pfusion.client.tune.adapter import Adapter
-from p2pfusion.client.generate.conversation import Generated
+from p2pfusion.client.core import connect
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.generate.conversation import Generated
 from p2pfusion.client.generate.stops import StopText, cut_at_stop
 from p2pfusion.client.generate.text import TextPieces
-from p2pfusion.models.formats import WeightFormat
-from p2pfusion.client.route.allowlist import TrustedPeers
-from p2pfusion.client.checks.policy import DEFAULT_RATE, check_rate
-from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.options import ClientOptions
+from p2pfusion.client.tune.adapter import Adapter
 from p2pfusion.errors import RequestError
-from p2pfusion.models.source import ModelSource, resolve_model
-from p2pfusion.net.compression import AUTO
-from p2pfusion.net.secret import SwarmSecret, load_secret
+from p2pfusion.models.source import ModelSource
 
 # text, token ids, or chat messages ({"role": ..., "content": ...}) rendered with the chat template
 Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
@@ -68,10 +64,10 @@ class SwarmLM:
     """The asyncio API. `await SwarmLM.connect(initial_peers)`, then `generate` or `stream` from as
     many tasks as you like; `close` (or `async with`) leaves the swarm."""
 
-    def __init__(self, core: RemoteCausalLM, owns_swarm: bool = False):
-        if core.swarm is None:
+    def __init__(self, model: RemoteCausalLM, owns_swarm: bool = False):
+        if model.core.swarm is None:
             raise RequestError("this model is not attached to a swarm")
-        self.core = core
+        self.model = model
         self._owns_swarm = owns_swarm  # False: the swarm node is the caller's to shut down
 
     @classmethod
@@ -79,58 +75,47 @@ class SwarmLM:
         cls,
         initial_peers: Sequence[str],
         model: str | ModelSource | None = None,
-        *,
-        compression: str = AUTO,
-        verify: float = DEFAULT_RATE,
-        dtype: torch.dtype = torch.float32,
-        swarm_secret: str | Path | SwarmSecret | None = None,
-        trusted_peers: TrustedPeers = None,
-        local_layers: int = 0,
-        min_precision: str = WeightFormat.INT4.value,
+        options: ClientOptions | None = None,
+        **settings,
     ) -> SwarmLM:
         """Load the client's part of `model` (a folder, a .gguf file, a Hub id, or None for the
-        default model) and join the swarm that `initial_peers` belong to. `verify`: the chance that
-        a step's results are checked against other peers (0: never; each generation's end always is).
-        `swarm_secret`: a private swarm's secret file (`p2pfusion swarm-secret`). `trusted_peers`:
-        route only through these peers (peer ids, or a trusted-peers file's path). `local_layers`: run
-        at least the first K layers here (up to the next stage boundary), so no peer sees the token
-        embeddings. `min_precision`: the least precise weight format a route may use ("float32": exact)."""
-        if not initial_peers:
-            raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
-        check_rate(verify)
-        secret = load_secret(swarm_secret)
-        # loading reads (and may convert) weights: the caller's loop keeps serving meanwhile
-        core = await asyncio.to_thread(_load_core, model, compression, verify, dtype, trusted_peers, local_layers, min_precision)
-        core.swarm = await join_swarm(list(initial_peers), client_mode=True, secret=secret)
-        return cls(core, owns_swarm=True)
+        default model) and join the swarm that `initial_peers` belong to. The client's options come
+        as `options` or as keyword settings: `verify` (the chance that a step's results are checked
+        against other peers; 0: never; each generation's end always is), `swarm_secret` (a private
+        swarm's secret file), `trusted_peers` (route only through these peers: peer ids, or a
+        trusted-peers file's path), `local_layers` (run at least the first K layers here, so no peer
+        sees the token embeddings), `min_precision` (the least precise weight format a route may
+        use; "float32": exact), `compression`, `dtype` (client/options.py)."""
+        options = ClientOptions.of(options, settings)
+        return cls(RemoteCausalLM(await connect(initial_peers, model, options)), owns_swarm=True)
 
     @property
     def tokenizer(self):
-        return self.core.tokenizer
+        return self.model.tokenizer
 
     def load_adapter(self, path: str | Path) -> Adapter:
         """Trained parameters saved by `save_adapter` (or PEFT), to pass as `adapter=` to calls."""
-        return Adapter.load(path, self.core.config, self.core.source)
+        return Adapter.load(path, self.model.config, self.model.source)
 
     def encode(self, prompt: Prompt, chat: bool = False) -> list[int]:
         """The token ids of a prompt; text with `chat` becomes one user message."""
-        core = self.core
+        model = self.model
         if isinstance(prompt, str):
-            return core.encode(prompt, chat)
+            return model.encode(prompt, chat)
         items = list(prompt) if isinstance(prompt, Sequence) else None
         if items and all(isinstance(item, Mapping) for item in items):
             for item in items:
                 if not isinstance(item.get("role"), str) or not isinstance(item.get("content"), str):
                     raise RequestError("a chat message is {'role': str, 'content': str}")
-            ids = core.chat_ids([{"role": item["role"], "content": item["content"]} for item in items])
+            ids = model.chat_ids([{"role": item["role"], "content": item["content"]} for item in items])
         elif items is not None and all(isinstance(item, int) and not isinstance(item, bool) for item in items):
-            vocab = core.head.get_input_embeddings().num_embeddings
+            vocab = model.head.get_input_embeddings().num_embeddings
             if any(not 0 <= item < vocab for item in items):
                 raise RequestError(f"token ids must be in 0..{vocab - 1}")
             ids = items
         else:
             raise RequestError("a prompt is text, a list of token ids or a list of chat messages")
-        core.check_prompt(ids)
+        model.check_prompt(ids)
         return ids
 
     def request(
@@ -188,7 +173,7 @@ class SwarmLM:
             return stops.stopped or (stop is not None and stop())
 
         watched = on_piece is not None or bool(request.stop)
-        result = await self.core.generate(
+        result = await self.model.generate(
             request.input_ids, request.max_new_tokens, request.temperature, request.seed, shown if watched else None,
             request.stop_at_eos, adapter=request.adapter, top_p=request.top_p,
             stop=stopping if request.stop or stop is not None else None,
@@ -207,9 +192,8 @@ class SwarmLM:
         return TokenStream(self, request)
 
     async def close(self) -> None:
-        if self._owns_swarm and self.core.swarm is not None:
-            swarm, self.core.swarm = self.core.swarm, None
-            await swarm.shutdown()
+        if self._owns_swarm:
+            await self.model.core.leave()
 
     async def __aenter__(self) -> SwarmLM:
         return self
@@ -266,24 +250,14 @@ class SwarmLMSync:
     loop thread of its own, where the calls of all threads run concurrently."""
 
     def __init__(
-        self,
-        initial_peers: Sequence[str],
-        model: str | ModelSource | None = None,
-        *,
-        compression: str = AUTO,
-        verify: float = DEFAULT_RATE,
-        dtype: torch.dtype = torch.float32,
-        swarm_secret: str | Path | SwarmSecret | None = None,
-        trusted_peers: TrustedPeers = None,
-        local_layers: int = 0,
-        min_precision: str = WeightFormat.INT4.value,
+        self, initial_peers: Sequence[str], model: str | ModelSource | None = None, options: ClientOptions | None = None,
+        **settings,
     ):
+        """As `SwarmLM.connect`."""
+        options = ClientOptions.of(options, settings)
         self._loop = BackgroundLoop("p2pfusion-lm")
         try:
-            self.lm = self._run(SwarmLM.connect(
-                initial_peers, model, compression=compression, verify=verify, dtype=dtype, swarm_secret=swarm_secret,
-                trusted_peers=trusted_peers, local_layers=local_layers, min_precision=min_precision,
-            ))
+            self.lm = self._run(SwarmLM.connect(initial_peers, model, options))
         except BaseException:
             self._loop.close()
             raise
@@ -336,17 +310,6 @@ class SwarmLMSync:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _load_core(
-    model: str | ModelSource | None, compression: str, verify: float, dtype: torch.dtype, trusted_peers: TrustedPeers = None,
-    local_layers: int = 0, min_precision: str = WeightFormat.INT4.value,
-) -> RemoteCausalLM:
-    source = model if isinstance(model, ModelSource) else resolve_model(model)
-    return RemoteCausalLM(
-        source, dtype=dtype, compression=compression, verify=verify, trusted_peers=trusted_peers, local_layers=local_layers,
-        min_precision=min_precision,
-    )
 
 
 async def _value(make: Callable[[], Any]) -> Any:

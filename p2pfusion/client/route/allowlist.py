@@ -9,7 +9,6 @@ are an error at once, never a reason to wait for, or fall back to, other peers.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Collection
 from pathlib import Path
@@ -20,8 +19,6 @@ from p2pfusion.client.route.planner import format_ranges, missing_layers
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.net.identity import SHA2_256
-
-log = logging.getLogger(__name__)
 
 IDENTITY = 0x00  # the multihash of a public key short enough to be inlined (SHA2_256 otherwise)
 MAX_INLINE_KEY = 42  # libp2p inlines public keys up to this many bytes (ed25519's are 36)
@@ -98,7 +95,6 @@ def trusted_peers(peers: TrustedPeers) -> frozenset[str] | None:
         trusted = parse_trusted("\n".join(p.replace("\n", " ") for p in peers), "trusted peers")
     else:
         raise RequestError("trusted_peers is a path to a trusted-peers file or a collection of peer ids")
-    log.info("routing only through %d trusted peers", len(trusted))
     return trusted
 
 

@@ -7,8 +7,8 @@ write anything to the hop before it, so a frame says only what the stream's own 
 - a kind of frame may come only on the stream that carries it (`admitted`): a `Result` only
   from the last hop on the sink, never relayed up the head stream;
 - a claim that a peer failed or is leaving counts at once only from that peer itself, on the
-  stream to it; any other claim needs the client's own probe of the peer it names. When the
-  probe finds that peer serving, the claim was false, and `blamed` names the hop to hold to
+  stream to it; any other claim needs the client's own ping of the peer it names. When the
+  ping finds that peer serving, the claim was false, and `blamed` names the hop to hold to
   account for it.
 """
 
@@ -32,7 +32,7 @@ ADMITTED = {
 
 
 class FalseClaim(PeerFailed):
-    """A hop passed on a claim about another peer that the client's own probe found false: the
+    """A hop passed on a claim about another peer that the client's own ping found false: the
     client bans that hop (it made the claim, or relayed one it may not relay), and reports no one."""
 
 
@@ -50,9 +50,9 @@ def claim_subject(message: object) -> str | None:
     return None
 
 
-def needs_probe(route: list[str], via: int, subject: str) -> bool:
+def needs_ping(route: list[str], via: int, subject: str) -> bool:
     """A claim about the peer at the other end of the stream is its own; a claim about a peer of
-    the route is checked with a probe of that peer; a claim about a peer off the route is false
+    the route is checked with a ping of that peer; a claim about a peer off the route is false
     without one (no hop of the route has any business reporting on it)."""
     return subject != route[via] and subject in route
 

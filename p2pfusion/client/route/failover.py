@@ -3,10 +3,10 @@
 The client keeps every input it sent (the embeddings of the tokens so far, their position ids).
 When a peer fails, it bans that peer (with growing back-off), reports it in the DHT so a warm
 backup can take over, finds a new route among the online peers and warm backups, gives the new
-hops the session's adapter, and sends the whole history again as one prefill step, with the
+hops the session's parameters, and sends the whole history again as one prefill step, with the
 pending step's inputs at its end. Each hop of the new route rebuilds its KV cache from those
-inputs, so the generation goes on exactly as it would have. Training sessions
-(p2pfusion.client.tune.steps) use the same connecting and failing over.
+inputs, so the generation goes on exactly as it would have. Fine-tuning steps
+(client/tune/steps.py) use the same connecting and failing over.
 
 Before a route is used, its peers answer a ping (client/route/pings.py): a record pointing at a
 tarpit costs one short timeout, shared with up to SCREEN_CONCURRENCY others, not a session's.
@@ -20,25 +20,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
-from dataclasses import dataclass, field
 
 import torch
 
-from p2pfusion.client.tune.adapter import RemoteParameters
-from p2pfusion.client.route.catalog import model_records
-from p2pfusion.client.route.health import PeerHealth
-from p2pfusion.client.route.pings import SCREEN_CONCURRENCY, ReachBook
-from p2pfusion.client.route.planner import expected_throughput, find_route, format_ranges, refused_only, usable
-from p2pfusion.client.route.session import InferenceSession
+from p2pfusion.client.route.access import SwarmAccess
+from p2pfusion.client.route.allowlist import TrustedGap
 from p2pfusion.client.route.claims import FalseClaim
-from p2pfusion.client.route.allowlist import TrustedGap, trusted_records
+from p2pfusion.client.route.params import SessionParams
+from p2pfusion.client.route.pings import SCREEN_CONCURRENCY
+from p2pfusion.client.route.planner import expected_throughput, find_route, usable
+from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord, PeerState
-from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
-from p2pfusion.models.formats import WeightFormat, accepts
-from p2pfusion.net.compression import AUTO, Purpose
-from p2pfusion.net.links import LinkBook
+from p2pfusion.net.compression import Purpose
 
 log = logging.getLogger(__name__)
 
@@ -48,87 +42,25 @@ AVOID_SECONDS = 30.0  # a leaving peer's record says so within a record's lifeti
 MIN_STEP_TIMEOUT = 10.0
 LONG_STEP_TIMEOUT = 120.0
 SCREEN_BUDGET = 10.0  # the most a route's search spends pinging peers before it takes what it has
-NOTICE_PERIOD = 30.0  # one line about busy peers per this many seconds, however many sessions meet them
-
-
-@dataclass
-class SwarmAccess:
-    """What all sessions of one client share: its swarm node, the model's layer count, what it has
-    learned about peers and links, and the codec it asked for."""
-
-    swarm: SwarmNode
-    model: str  # the model's swarm key (models/fingerprint.py)
-    name: str  # the model's name for people, in messages
-    num_layers: int
-    health: PeerHealth
-    links: LinkBook
-    compression: str = AUTO
-    # peers this client will not route through: caught computing wrong results, by its own
-    # verification or by enough other clients' reports (p2pfusion.client.checks.policy)
-    distrusted: set[str] = field(default_factory=set)
-    # the only peers routes, failovers and checks may use (client/route/allowlist.py); None: any peer
-    trusted: frozenset[str] | None = None
-    # the least precise format a route may use (models/formats.py): INT4 takes every peer, FLOAT32 is --exact
-    minimum: WeightFormat = WeightFormat.INT4
-    reach: ReachBook = field(default_factory=ReachBook)  # peers that answered this client's pings
-    routed: Counter[str] = field(default_factory=Counter)  # peer id -> this client's sessions open through it
-    _said: dict[str, float] = field(default_factory=dict)  # notice kind -> when it was last logged
-
-    def notice(self, kind: str, text: str) -> None:
-        """A warning for the user, unless one of its kind went out lately: many sessions meeting the
-        same busy swarm say so once."""
-        now = time.monotonic()
-        if now - self._said.get(kind, -NOTICE_PERIOD) >= NOTICE_PERIOD:
-            self._said[kind] = now
-            log.warning("%s", text)
-
-    async def records(self, first: int = 0) -> list[PeerRecord]:
-        """The model's records that routing may use: every place that routes reads them here. With
-        a trusted set, only its peers' records, or a TrustedGap when they no longer serve a layer
-        from `first` on (the layers before it run on the client)."""
-        records = await model_records(self.swarm, self.model, self.name)
-        accepted = [r for r in records if accepts(r.weights, self.minimum)]
-        if len(accepted) < len(records):
-            self._say_refused(records, accepted, first)
-        records = accepted
-        if self.trusted is None:
-            return records
-        down = self.health.banned(records) | self.distrusted
-        return trusted_records(records, self.trusted, self.num_layers, self.name, down, first)
-
-    def _say_refused(self, records: list[PeerRecord], accepted: list[PeerRecord], first: int) -> None:
-        """Say which layers only peers in formats this client refuses serve: routes treat them as unserved."""
-        ranges, formats = refused_only(records, accepted, self.num_layers, first)
-        if ranges:
-            self.notice("formats", (
-                f"layers {format_ranges(ranges)} of {self.name} are served only in {', '.join(formats)}, below "
-                f"the {self.minimum.value} this client accepts (--min-precision): routes leave those peers out"
-            ))
-
-    def session(
-        self, max_length: int, params: RemoteParameters | None = None, purpose: Purpose = Purpose.INFERENCE,
-        batch: int = 1, first: int = 0,
-    ) -> ResilientSession:
-        return ResilientSession(self, max_length, params, purpose, batch, first)
 
 
 class ResilientSession:
     def __init__(
         self,
         access: SwarmAccess,
-        max_length: int,
-        params: RemoteParameters | None = None,
+        length: int,
+        params: SessionParams | None = None,
         purpose: Purpose = Purpose.INFERENCE,
         batch: int = 1,
         first: int = 0,
     ):
         self.access = access
-        self.max_length = max_length
-        self.params = params  # the adapter every route of this session gets
+        self.length = length  # the most positions it holds
+        self.params = params  # the parameters every route of this session gets
         self.purpose = purpose
         self.batch = batch  # sequences per step the peers make room for; a wider step opens again
         self.first = first  # the layer routes start at: the client runs those before it (client/generate/local_layers.py)
-        self.session: InferenceSession | None = None
+        self.session: RouteSession | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0
         # peers that told this session they are leaving: peer id -> (its record's `since`, when told)
@@ -155,11 +87,11 @@ class ResilientSession:
                 self._known = {r.peer_id: r for r in records}
                 avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | access.health.skipped()
                 route = await self._route(records, avoid, recovering)
-                self.session = await InferenceSession(
-                    access.swarm.transport, route, self.max_length, access.compression, access.links, self.purpose,
+                self.session = await RouteSession(
+                    access.swarm.transport, route, self.length, access.compression, access.links, self.purpose,
                     self.batch,
                 ).open()
-                access.routed.update(r.peer_id for r in route)
+                access.opened(route)
                 self._routed_around()
                 await self.update_params(self.params)
                 return
@@ -195,14 +127,14 @@ class ResilientSession:
         deadline = time.monotonic() + SCREEN_BUDGET
         while True:
             route = find_route(
-                records, access.num_layers, observed, avoid, backups, self.max_length, reach.rtts, self.batch, access.routed,
-                self.first,
+                records, access.num_layers, observed=observed, banned=avoid, backups=backups, length=self.length,
+                rtts=reach.rtts, batch=self.batch, own=access.routed, first=self.first,
             )
             unpinged = [r for r in route if not reach.fresh(r.peer_id)]
             if not unpinged or time.monotonic() > deadline:
                 return route
             named = {r.peer_id for r in unpinged}
-            others = [r for r in usable(records, avoid, backups, self.max_length)
+            others = [r for r in usable(records, avoid, backups=backups, length=self.length)
                       if r.peer_id not in named and not reach.fresh(r.peer_id) and r.start >= self.first]
             others.sort(key=lambda r: -expected_throughput(r, observed) * r.span)  # the likeliest next choices
             silent = await reach.screen(access.swarm.transport, unpinged + others[:SCREEN_CONCURRENCY - len(unpinged)])
@@ -212,11 +144,11 @@ class ResilientSession:
                 log.warning("%d peers did not answer a ping; avoiding them", len(silent))
             avoid |= silent
 
-    async def update_params(self, params: RemoteParameters | None) -> None:
-        """Give the current route new adapter values (nothing is sent when they did not change)."""
+    async def update_params(self, params: SessionParams | None) -> None:
+        """Give the current route new parameter values (nothing is sent when they did not change)."""
         self.params = params
-        if params is not None and self.session is not None and self.session.adapter != params.message.digest:
-            await self.session.set_adapter(params.message, params.flat)
+        if params is not None and self.session is not None and self.session.params_digest != params.digest:
+            await self.session.set_params(params)
 
     def _avoided(self, records: list[PeerRecord]) -> set[str]:
         """Peers told us they were leaving; we take them back after AVOID_SECONDS, or at once when a
@@ -272,7 +204,7 @@ class ResilientSession:
     async def step(
         self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """Like InferenceSession.step, but a failed or leaving peer costs a replay, not the generation."""
+        """Like RouteSession.step, but a failed or leaving peer costs a replay, not the generation."""
         if hidden.shape[0] > self.batch:  # the hops made room for fewer sequences: open for these
             self.batch = hidden.shape[0]
             await self.drop()
@@ -315,8 +247,8 @@ class ResilientSession:
         others = set()
         for record in self.session.route:  # every hop that has a stand-in
             try:
-                find_route(records, access.num_layers, access.health.observed, avoid | others | {record.peer_id},
-                           True, self.max_length, first=self.first)
+                find_route(records, access.num_layers, observed=access.health.observed,
+                           banned=avoid | others | {record.peer_id}, backups=True, length=self.length, first=self.first)
                 others.add(record.peer_id)
             except RouteError:
                 continue
@@ -366,7 +298,7 @@ class ResilientSession:
     async def drop(self) -> None:
         if self.session is not None:
             self._settle_strays()
-            self.access.routed -= Counter(r.peer_id for r in self.session.route)
+            self.access.closed(self.session.route)
             await self.session.close()
         self.session = None
 

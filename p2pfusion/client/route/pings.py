@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from p2pfusion.dht.records import PeerRecord
-from p2pfusion.errors import RequestError
+from p2pfusion.errors import PeerUnreachable, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
 from p2pfusion.net.transport import Transport
@@ -47,7 +47,7 @@ async def ping(transport: Transport, peer_id: str, data_addrs: list[str], timeou
 async def _ping(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float) -> tuple[Answer, float]:
     try:  # half the time for a direct dial, and half for libp2p should that fail
         reader, writer = await transport.open(peer_id, data_addrs, m.PROTOCOL, timeout / 2)
-    except Exception as exc:  # libp2p dials fail with assorted types; any of them means no answer
+    except PeerUnreachable as exc:
         log.debug("ping: cannot reach %s: %r", peer_id, exc)
         return Answer.SILENT, float("inf")
     try:

@@ -5,19 +5,22 @@ what a peer says of its own load only steers sessions away from it."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Mapping
 
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
-from p2pfusion.errors import RouteError
+from p2pfusion.errors import PromptTooLong, RouteError
+
+log = logging.getLogger(__name__)
 
 
 def usable(
-    records: list[PeerRecord], banned: Collection[str] = (), backups: bool = False, length: int = 0
+    records: list[PeerRecord], banned: Collection[str] = (), *, backups: bool = False, length: int = 0
 ) -> list[PeerRecord]:
     """Peers a route may use: online ones (and warm backups when failing over) that accept sessions
     of `length` tokens."""
     states = (PeerState.ONLINE, PeerState.BACKUP) if backups else (PeerState.ONLINE,)
-    return [r for r in records if r.state in states and r.peer_id not in banned and r.max_length >= length]
+    return [r for r in records if r.state in states and r.peer_id not in banned and r.session_limit >= length]
 
 
 def _covered(records: list[PeerRecord], num_layers: int, first: int) -> list[bool]:
@@ -90,7 +93,7 @@ def load_seconds(record: PeerRecord, step: float, tokens: int = 0, own: int = 0)
     """Seconds per token a session expects to lose at a peer to what the peer holds already.
 
     `step` is the seconds a token takes through the peer alone, `tokens` the KV positions the
-    session reserves (batch x max_length), `own` the sessions this client has open through the
+    session reserves (batch x length), `own` the sessions this client has open through the
     peer (its record may not count them yet). Each step already queued comes first; each open
     session shares the peer's batched forward (`batch_rate`; a peer announcing none runs steps
     one by one); and a peer filling its KV cache budget refuses sessions soon: it costs more past
@@ -111,6 +114,7 @@ def load_seconds(record: PeerRecord, step: float, tokens: int = 0, own: int = 0)
 def find_route(
     records: list[PeerRecord],
     num_layers: int,
+    *,
     observed: Mapping[str, float] | None = None,
     banned: Collection[str] = (),
     backups: bool = False,
@@ -130,10 +134,10 @@ def find_route(
     starts at the exact layer where the previous one ended, since a peer's cache holds its whole
     range.
     """
-    candidates = [r for r in usable(records, banned, backups, length) if r.end <= num_layers]
+    candidates = [r for r in usable(records, banned, backups=backups, length=length) if r.end <= num_layers]
     gaps = missing_layers(candidates, num_layers, first)
     if gaps:
-        if length and not missing_layers(usable(records, banned, backups), num_layers, first):
+        if length and not missing_layers(usable(records, banned, backups=backups), num_layers, first):
             raise RouteError(f"no peer accepting sessions of {length} tokens serves layers {format_ranges(gaps)}")
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model")
     observed, rtts, own = observed or {}, rtts or {}, own or {}
@@ -155,15 +159,15 @@ def find_route(
     return best[first][2]
 
 
-def session_limit(
-    records: list[PeerRecord], num_layers: int, positions: int, banned: Collection[str] = (), first: int = 0
+def longest_session(
+    records: list[PeerRecord], num_layers: int, positions: int, *, banned: Collection[str] = (), first: int = 0
 ) -> int:
     """The longest session (in tokens) a client can open now: the model's positions, or less where
     no route of online peers from layer `first` accepts more (each peer announces its own
-    max_length). A session of that length has a route: `find_route(..., length=...)` picks among
+    session limit). A session of that length has a route: `find_route(..., length=...)` picks among
     the peers that accept it."""
     find_route(records, num_layers, banned=banned, first=first)  # no route at all: the RouteError naming the gaps
-    lengths = sorted({r.max_length for r in usable(records, banned)})
+    lengths = sorted({r.session_limit for r in usable(records, banned)})
     # if the peers accepting n tokens chain through every layer, those accepting fewer do too
     low, high = 0, len(lengths) - 1  # a route accepts lengths[low]
     while low < high:
@@ -174,3 +178,15 @@ def session_limit(
         except RouteError:
             high = mid - 1
     return min(positions, lengths[low])
+
+
+def new_tokens_within(prompt: int, wanted: int, limit: int) -> int:
+    """How many of the `wanted` new tokens fit after a `prompt` of that many tokens in the swarm's
+    `limit` (`longest_session`): a prompt that fills it is refused, and a generation that would
+    pass it is cut there, with a warning, as transformers stops at max_length."""
+    if prompt >= limit:
+        raise PromptTooLong(f"prompt too long: {prompt} tokens, the swarm accepts {limit}")
+    if prompt + wanted > limit:
+        log.warning("the swarm accepts %d tokens: generating %d new tokens, not %d", limit, limit - prompt, wanted)
+        return limit - prompt
+    return wanted

@@ -1,7 +1,8 @@
 """An inference session through one route of peers: hidden states in at the first hop, out at the last.
 
 It reports a dead peer as PeerFailed (naming it when it can), and remembers peers that announced
-they are leaving; `p2pfusion.client.route.failover` builds a new route and replays around both. What
+they are leaving; `p2pfusion.client.route.failover` builds a new route and replays around both.
+Inference and training sessions (those with backward passes) both run on one. What
 the hops send back is weighed by `p2pfusion.client.route.claims`: results only from the last hop, on
 the stream to it; a claim that some peer failed or is leaving only from that peer, or once the
 client's own ping confirms it.
@@ -17,12 +18,14 @@ import uuid
 import torch
 
 from p2pfusion.client.route.pings import Answer, ping
-from p2pfusion.client.route.claims import FalseClaim, Stream, admitted, blamed, claim_subject, needs_probe
+from p2pfusion.client.route.claims import FalseClaim, Stream, admitted, blamed, claim_subject, needs_ping
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import pack
-from p2pfusion.net.compression import AUTO, LinkSpeed, Purpose, choose_codec
+from p2pfusion.client.route.params import SessionParams
+from p2pfusion.client.route.pieces import chunk_sizes
+from p2pfusion.net.compression import AUTO, Compression, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import BadTensor, FrameError, FrameLimits, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import mask_to_wire, positions_to_wire, unflatten
@@ -38,31 +41,22 @@ STEP_TIMEOUT = 60.0
 # hidden size up to 16,384, float32), or an adapter's gradients, of the same order at most.
 MAX_REPLY_BYTES = m.MAX_STEP_TOKENS * 16384 * 4
 REPLY_LIMITS = FrameLimits(header=1 << 20, body=MAX_REPLY_BYTES, decoded=MAX_REPLY_BYTES, tensor_kinds=m.TENSOR_KINDS)
-MIN_CHUNK_TOKENS = 64  # smaller pieces make matrix products less efficient than the overlap gains
 
 
-def chunk_sizes(tokens: int, hops: int) -> list[int]:
-    """How to split an inference step's tokens so the hops work on pieces at once, as a pipeline:
-    hop 2 computes the first piece while hop 1 computes the second. Pieces of at least
-    MIN_CHUNK_TOKENS, no more pieces than hops (beyond that they only add per-step costs)."""
-    pieces = max(1, min(hops, tokens // MIN_CHUNK_TOKENS))
-    return [tokens // pieces + (i < tokens % pieces) for i in range(pieces)]
-
-
-class InferenceSession:
+class RouteSession:
     def __init__(
         self,
         transport: Transport,
         route: list[PeerRecord],
-        max_length: int,
-        compression: str = AUTO,
+        length: int,
+        compression: Compression = AUTO,
         links: LinkBook | None = None,
         purpose: Purpose = Purpose.INFERENCE,
         batch: int = 1,
     ):
         self.transport = transport
         self.route = route
-        self.max_length = max_length
+        self.length = length  # the most positions it holds
         self.compression = compression
         self.links = links
         self.purpose = purpose
@@ -74,25 +68,18 @@ class InferenceSession:
         self.leaving: set[str] = set()  # peers of this route that asked us to move (confirmed)
         self.seconds = 0.0  # the last step's wall time, as this client saw it
         self.strays: dict[str, int] = {}  # peers that sent frames their stream may not carry: how many
-        self.liars: set[str] = set()  # hops that passed on a claim the client's probe found false
+        self.liars: set[str] = set()  # hops that passed on a claim the client's ping found false
         self._step = 0
         self._sent_at: dict[int, float] = {}  # when each step awaiting its reply was sent
         self._head = None
         self._sink = None
-        self.adapter: str | None = None  # digest of the parameters the hops hold for this session
+        self.params_digest: str | None = None  # of the parameters the hops hold for this session
         self._param_grads: dict[int, dict[str, torch.Tensor]] = {}
         self._early: dict[tuple[str, int], torch.Tensor] = {}  # replies that came before they were awaited
-        self._inbox: asyncio.Queue = asyncio.Queue()  # (header, tensor) the client accepts, in order
+        self._inbox: asyncio.Queue = asyncio.Queue()  # (message, tensor) the client accepts, in order
         self._readers: list[asyncio.Task] = []
-        self._checks: set[asyncio.Task] = set()  # probes of claims, each queueing its verdict
+        self._checks: set[asyncio.Task] = set()  # pings of claims, each queueing its verdict
         self._claimed: set[str] = set()  # peers some claim named
-
-    async def _connect(self, record: PeerRecord):
-        try:
-            reader, writer = await self.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL, OPEN_TIMEOUT)
-        except Exception as exc:  # libp2p dials fail with assorted types; any of them means that peer is gone
-            raise PeerFailed(f"peer {record.peer_id} ({record.start}:{record.end}) unreachable: {exc!r}", record.peer_id) from exc
-        return reader, writer
 
     async def _expect_ack(self, reader, stream: Stream) -> None:
         """The answer to Subscribe or Open; an error naming another peer is weighed like any claim."""
@@ -107,6 +94,9 @@ class InferenceSession:
         if not isinstance(reply, m.Ack):
             raise PeerFailed(f"peer {record.peer_id} answered {reply.kind!r} to the session's opening", record.peer_id)
 
+    async def _dial(self, record: PeerRecord):
+        return await self.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL, OPEN_TIMEOUT)
+
     def _end(self, stream: Stream) -> PeerRecord:
         return self.route[0] if stream == Stream.HEAD else self.route[-1]
 
@@ -119,16 +109,16 @@ class InferenceSession:
             self.links.get(first.peer_id, first.data_addrs), self.links.get(last.peer_id, last.data_addrs)
         )
 
-    async def open(self) -> InferenceSession:
+    async def open(self) -> RouteSession:
         await self._measure_links()
         try:
-            sink_reader, self._sink = await self._connect(self.route[-1])
+            sink_reader, self._sink = await self._dial(self.route[-1])
             await self._write(self._sink, self.route[-1], m.to_header(m.Subscribe(self.session_id)))
             await self._expect_ack(sink_reader, Stream.SINK)
-            head_reader, self._head = await self._connect(self.route[0])
+            head_reader, self._head = await self._dial(self.route[0])
             hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
             opening = m.Open(
-                self.session_id, self.max_length, hops, self.compression, self.purpose, self.first_link, self.last_link,
+                self.session_id, self.length, hops, self.compression, self.purpose, self.first_link, self.last_link,
                 self.batch,
             )
             await self._write(self._head, self.route[0], m.to_header(opening))
@@ -166,7 +156,7 @@ class InferenceSession:
                 elif claim_subject(message) not in (None, peer_id):
                     self._judge_once(message, stream)
                 else:
-                    self._inbox.put_nowait((header, tensor))
+                    self._inbox.put_nowait((message, tensor))
         except (EOFError, FrameError, OSError, RuntimeError) as exc:  # RuntimeError: uvloop on a closed transport
             self._lost(peer_id, f"connection to peer {peer_id} lost: {exc!r}")
 
@@ -177,7 +167,7 @@ class InferenceSession:
         return tensor is not None and 0 < message.step <= self._step
 
     def _lost(self, peer_id: str, why: str) -> None:
-        self._inbox.put_nowait((m.to_header(m.Error(message=why, failed_peer=peer_id)), None))
+        self._inbox.put_nowait((m.Error(message=why, failed_peer=peer_id), None))
 
     def _stray(self, peer_id: str, stream: Stream, kind: object, why: str = "") -> None:
         """Drop a frame its stream may not carry; the peer at the stream's end answers for it."""
@@ -187,7 +177,7 @@ class InferenceSession:
         self.strays[peer_id] = self.strays.get(peer_id, 0) + 1
 
     def _judge_once(self, message, stream: Stream) -> None:
-        """Judge a claim about another peer in the background: one probe per peer named, however
+        """Judge a claim about another peer in the background: one ping per peer named, however
         many claims name it (the first verdict stands for the session)."""
         subject = claim_subject(message)
         if subject in self._claimed:
@@ -198,7 +188,7 @@ class InferenceSession:
         task.add_done_callback(self._checks.discard)
 
     async def _judge(self, message, stream: Stream) -> None:
-        self._inbox.put_nowait((m.to_header(await self._verdict(message, stream)), None))
+        self._inbox.put_nowait((await self._verdict(message, stream), None))
 
     async def _verdict(self, message, stream: Stream):
         """The message itself when its claim counts (it is about the stream's own peer, or our ping
@@ -208,7 +198,7 @@ class InferenceSession:
         subject = claim_subject(message)
         if subject is None or subject == route[via]:
             return message
-        if needs_probe(route, via, subject):
+        if needs_ping(route, via, subject):
             answer, _ = await ping(self.transport, subject, self.route[route.index(subject)].data_addrs)
             if answer != Answer.SERVING:
                 return message
@@ -229,19 +219,19 @@ class InferenceSession:
         """Take in `Leaving` notices that came between steps; other messages stay queued for step()."""
         kept = []
         while not self._inbox.empty():
-            header, tensor = self._inbox.get_nowait()
-            if header.get("kind") == m.Leaving.kind:
-                self.leaving.add(m.from_header(header).peer_id)
+            message, tensor = self._inbox.get_nowait()
+            if isinstance(message, m.Leaving):
+                self.leaving.add(message.peer_id)
             else:
-                kept.append((header, tensor))
+                kept.append((message, tensor))
         for item in kept:
             self._inbox.put_nowait(item)
         return self.leaving
 
-    async def set_adapter(self, message: m.Adapter, flat: torch.Tensor) -> None:
+    async def set_params(self, params: SessionParams) -> None:
         """Give the hops this session's parameters; the steps after it use them."""
-        await self._write(self._head, self.route[0], m.to_header(message), pack(flat))
-        self.adapter = message.digest
+        await self._write(self._head, self.route[0], m.to_header(params.message), pack(params.flat))
+        self.params_digest = params.digest
 
     async def step(
         self,
@@ -254,10 +244,8 @@ class InferenceSession:
         `mask` covers the whole sequence so far [batch, length]; `positions` the new tokens."""
         training = self.purpose == Purpose.TRAINING
         offset = 0 if training else self.position
-        if offset + hidden.shape[1] > self.max_length:
-            raise RequestError(
-                f"session would reach {offset + hidden.shape[1]} tokens, past its max length {self.max_length}"
-            )
+        if offset + hidden.shape[1] > self.length:
+            raise RequestError(f"session would reach {offset + hidden.shape[1]} tokens, past its length {self.length}")
         t0 = time.perf_counter()
         # a training step is one whole sequence: its backward pass takes it in one piece
         sizes = [hidden.shape[1]] if training else chunk_sizes(hidden.shape[1], len(self.route))
@@ -281,7 +269,7 @@ class InferenceSession:
             step=self._step,
             mask=None if mask is None else mask_to_wire(mask),
             positions=None if positions is None else positions_to_wire(positions),
-            adapter=self.adapter,
+            params=self.params_digest,
         )
         self._sent_at[self._step] = time.perf_counter()
         await self._send(self._head, self.route[0], message, hidden, self.first_link)
@@ -308,7 +296,7 @@ class InferenceSession:
     async def backward_result(
         self, step: int, timeout: float = STEP_TIMEOUT
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The gradients of the step's input and of the session's adapter parameters."""
+        """The gradients of the step's input and of the session's parameters."""
         grad_input = await self._reply(m.Backward, timeout, step)
         self._timed(step)
         return grad_input, self._param_grads.pop(step, {})
@@ -343,21 +331,30 @@ class InferenceSession:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                header, tensor = await asyncio.wait_for(self._inbox.get(), max(deadline - time.monotonic(), 0))
+                reply, tensor = await asyncio.wait_for(self._inbox.get(), max(deadline - time.monotonic(), 0))
             except TimeoutError:
                 raise PeerFailed(f"the swarm did not answer within {timeout:.0f} s", None) from None
-            reply = m.from_header(header)
-            if isinstance(reply, m.Leaving):
-                self.leaving.add(reply.peer_id)
-            elif isinstance(reply, m.Error):
-                self._raise(reply)
-            elif isinstance(reply, m.ParamGrads):
-                values = unflatten(tensor, [shape for _, shape in reply.entries])
-                self._param_grads.setdefault(reply.step, {}).update(zip([name for name, _ in reply.entries], values))
-            elif isinstance(reply, (m.Result, m.Backward)):
-                if isinstance(reply, kind) and reply.step == step:
-                    return tensor
-                self._early[(reply.kind, reply.step)] = tensor
+            RouteSession._TAKE[type(reply)](self, reply, tensor)
+            early = self._early.pop((kind.kind, step), None)
+            if early is not None:
+                return early
+
+    def _take_leaving(self, reply: m.Leaving, _tensor) -> None:
+        self.leaving.add(reply.peer_id)
+
+    def _take_error(self, reply: m.Error, _tensor) -> None:
+        self._raise(reply)
+
+    def _take_param_grads(self, reply: m.ParamGrads, tensor: torch.Tensor) -> None:
+        values = unflatten(tensor, [shape for _, shape in reply.entries])
+        self._param_grads.setdefault(reply.step, {}).update(zip([name for name, _ in reply.entries], values))
+
+    def _take_output(self, reply: m.Result | m.Backward, tensor: torch.Tensor) -> None:
+        self._early[(reply.kind, reply.step)] = tensor
+
+    # what each kind the streams admit (client/route/claims.py) does on its way to a step's reply
+    _TAKE = {m.Leaving: _take_leaving, m.Error: _take_error, m.ParamGrads: _take_param_grads,
+             m.Result: _take_output, m.Backward: _take_output}
 
     async def close(self) -> None:
         for task in [*self._readers, *self._checks]:

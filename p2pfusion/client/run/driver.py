@@ -23,17 +23,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from p2pfusion.client.route.pieces import split_batch
+from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.run.replicas import chains, served, split_rows, stages
-from p2pfusion.client.route.session import InferenceSession
-from p2pfusion.client.tune.steps import split_batch
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import P2PFusionError, PeerFailed, RequestError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.net import probe
 from p2pfusion.net import run_messages as t
+from p2pfusion.net.compression import Codec, Purpose
 from p2pfusion.net.run_calls import call, fetch_state, status
-from p2pfusion.net.compression import Purpose
 
 log = logging.getLogger(__name__)
 
@@ -169,12 +169,12 @@ class TrainingRun:
         with torch.no_grad():
             return self.head.get_input_embeddings()(input_ids).float()
 
-    async def _forward(self, route: list[PeerRecord], hidden: torch.Tensor, mask) -> tuple[InferenceSession, list, torch.Tensor]:
+    async def _forward(self, route: list[PeerRecord], hidden: torch.Tensor, mask) -> tuple[RouteSession, list, torch.Tensor]:
         """The chain's output for `hidden`, sent in pieces the peers take (a training session, no
         compression; the caller closes it): the session, (step, sequences) per piece, the output."""
         batch, tokens = hidden.shape[:2]
         pieces = split_batch(hidden, mask, torch.arange(tokens).expand(batch, -1))
-        session = InferenceSession(self.swarm.transport, route, tokens, "none", None, Purpose.TRAINING, batch)
+        session = RouteSession(self.swarm.transport, route, tokens, Codec.NONE, None, Purpose.TRAINING, batch)
         await session.open()
         try:
             steps = [(await session.submit(c.hidden, c.mask, c.positions), c.hidden.shape[0]) for c in pieces]

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import torch
 
+from p2pfusion.client.core import ClientCore
 from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.options import ClientOptions
 from p2pfusion.client.run.driver import RunConfig, TrainingRun
-from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
 from p2pfusion.models.formats import layer_shapes
 from p2pfusion.models.source import resolve_model
-from p2pfusion.models.stage import load_config, load_head, write_model
-from p2pfusion.net.secret import load_secret
+from p2pfusion.models.stage import write_model
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +32,20 @@ class SwarmTrainer:
     ```
     """
 
-    def __init__(self, loop: BackgroundLoop, run: TrainingRun):
+    def __init__(self, loop: BackgroundLoop, core: ClientCore, run: TrainingRun):
         self._loop = loop
+        self._core = core
         self._run = run
 
     @classmethod
-    def connect(cls, model: str | None = None, initial_peers=(), run: str = "run", *, swarm_secret=None, **settings) -> SwarmTrainer:
+    def connect(
+        cls, model: str | None = None, initial_peers=(), run: str = "run", *, options: ClientOptions | None = None,
+        **settings,
+    ) -> SwarmTrainer:
         """Join the swarm and take up run `run` where its replicas are. `settings` are RunConfig's
-        (sync_every, lr, betas, eps, weight_decay, outer_lr, outer_momentum, averaging, ...)."""
+        (sync_every, lr, betas, eps, weight_decay, outer_lr, outer_momentum, averaging, ...);
+        `options` the client's (a private swarm's `swarm_secret`, say: client/options.py). The run
+        trains float32 weights: its driver's embeddings and head are float32 too."""
         if not initial_peers:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
         try:
@@ -47,19 +53,19 @@ class SwarmTrainer:
         except TypeError as exc:
             raise RequestError(f"unknown training setting: {exc}") from None
         config.check()
-        secret = load_secret(swarm_secret)
-        source = resolve_model(model)
-        layers = load_config(source).num_hidden_layers
-        head = load_head(source)
+        options = options if options is not None else ClientOptions()
+        if options.dtype != torch.float32 or options.local_layers:
+            raise RequestError("a training run's driver holds float32 embeddings and head, and runs no layer itself")
+        core = ClientCore(resolve_model(model), options)
         loop = BackgroundLoop()
         try:
-            swarm = loop.run(join_swarm(list(initial_peers), client_mode=True, secret=secret))
-            driver = TrainingRun(swarm, source, head, layers, config)
+            swarm = loop.run(core.join(initial_peers))
+            driver = TrainingRun(swarm, core.source, core.head, core.num_layers, config)
             loop.run(driver.start())
         except BaseException:
             loop.close()
             raise
-        return cls(loop, driver)
+        return cls(loop, core, driver)
 
     @property
     def step_count(self) -> int:
@@ -122,11 +128,8 @@ class SwarmTrainer:
         return path
 
     def close(self) -> None:
-        async def leave():
-            await self._run.swarm.shutdown()
-
         if not self._loop.loop.is_closed():
-            self._loop.run(leave())
+            self._loop.run(self._core.leave())
             self._loop.close()
 
     def __enter__(self) -> SwarmTrainer:

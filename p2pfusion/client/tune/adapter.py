@@ -13,7 +13,7 @@ import hashlib
 import json
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PretrainedConfig
 
+from p2pfusion.client.route.params import SessionParams
 from p2pfusion.errors import ModelError, RequestError
 from p2pfusion.models.tuning import (
     DEEP_PROMPT,
@@ -68,14 +69,6 @@ def _key(name: str) -> str:
     return name.replace(".", "/")  # nn.ParameterDict refuses dots in names
 
 
-@dataclass
-class RemoteParameters:
-    """What peers get: the message naming the parameters, and their values in one tensor."""
-
-    message: m.Adapter
-    flat: torch.Tensor = field(repr=False)
-
-
 class Adapter(nn.Module):
     def __init__(self, config: PretrainedConfig, tuning: TuningConfig, embeddings: nn.Embedding | None = None):
         super().__init__()
@@ -111,7 +104,7 @@ class Adapter(nn.Module):
     def named_remote(self) -> list[tuple[str, nn.Parameter]]:
         return [(key.replace("/", "."), p) for key, p in self.remote.items()]
 
-    def remote_parameters(self) -> RemoteParameters | None:
+    def session_params(self) -> SessionParams | None:
         """The parameters peers apply, named by a digest of their values (None: none)."""
         named = self.named_remote()
         if not named:
@@ -119,8 +112,8 @@ class Adapter(nn.Module):
         flat = flatten([p for _, p in named])
         digest = hashlib.blake2b(flat.numpy().tobytes(), digest_size=12)
         digest.update(json.dumps([(n, list(p.shape)) for n, p in named]).encode())
-        message = m.Adapter(digest.hexdigest(), self.scaling, [(n, list(p.shape)) for n, p in named])
-        return RemoteParameters(message, flat)
+        message = m.Params(digest.hexdigest(), self.scaling, [(n, list(p.shape)) for n, p in named])
+        return SessionParams(message, flat)
 
     # PEFT files
 

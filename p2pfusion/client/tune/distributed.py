@@ -18,24 +18,20 @@ from torch import nn
 from transformers import Cache, GenerationConfig
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from p2pfusion.client.tune.adapter import Adapter, RemoteParameters, TuningConfig
-from p2pfusion.client.route.failover import ResilientSession
-from p2pfusion.client.generate.conversation import MAX_REWINDS, new_tokens_within
-from p2pfusion.client.generate.causal_lm import load_tokenizer
-from p2pfusion.client.loop import BackgroundLoop
-from p2pfusion.client.tune.layers import RemoteLayers, SwarmClient
-from p2pfusion.models.formats import WeightFormat, minimum_format
-from p2pfusion.client.route.allowlist import TrustedPeers, trusted_peers as trusted_set
+from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
-from p2pfusion.client.checks.policy import DEFAULT_RATE, check_rate
-from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.client.core import ClientCore
+from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.options import ClientOptions
+from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.route.params import SessionParams
+from p2pfusion.client.route.planner import new_tokens_within
+from p2pfusion.client.tune.adapter import Adapter, TuningConfig
+from p2pfusion.client.tune.layers import RemoteLayers, SwarmLayers
 from p2pfusion.errors import RequestError, RouteError
-from p2pfusion.models.tuning import DEFAULT_LORA_TARGETS
 from p2pfusion.models.cache_arg import NEW, OLD, cache_arg, given_cache
 from p2pfusion.models.source import resolve_model
-from p2pfusion.models.stage import load_config, load_head
-from p2pfusion.net.compression import AUTO, Purpose
-from p2pfusion.net.secret import SwarmSecret, load_secret
+from p2pfusion.models.tuning import DEFAULT_LORA_TARGETS
 
 
 class WrongResults(Exception):
@@ -45,13 +41,13 @@ class WrongResults(Exception):
 class RemoteCache(Cache):
     """Stands for the peers' KV caches during `generate`: an inference session kept open between
     steps, its results checked at the client's verification rate. Its length counts the caller's
-    tokens (not the soft prompt's)."""
+    tokens (not the soft prompt's); its session holds up to `session_length` positions."""
 
-    def __init__(self, client: SwarmClient, params: RemoteParameters | None, max_length: int):
+    def __init__(self, layers: SwarmLayers, params: SessionParams | None, session_length: int):
         super().__init__(layers=[])
-        self.client = client
+        self.swarm = layers
         self.params = params
-        self.max_length = max_length
+        self.session_length = session_length
         self.length = 0
         self.session: ResilientSession | None = None
         self.verifier: Verifier | None = None
@@ -64,45 +60,45 @@ class RemoteCache(Cache):
         return False
 
     def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, tokens: int) -> torch.Tensor:
-        client = self.client
+        swarm, core = self.swarm, self.swarm.core
         if self.session is None:
-            self.session = client.run(client.opened(Purpose.INFERENCE, self.params, self.max_length))
-            self.verifier = client.verifier(self.session)
+            self.session = swarm.run(core.open_session(self.session_length, self.params))
+            self.verifier = core.verifier(self.session)
         if self.verifier is None:
-            out = client.run(self.session.step(hidden, mask, positions))
+            out = swarm.run(self.session.step(hidden, mask, positions))
         else:
-            out = client.run(self.verifier.step(hidden, mask, positions))
-            if client.run(self.verifier.maybe_check()) is not None:
+            out = swarm.run(self.verifier.step(hidden, mask, positions))
+            if swarm.run(self.verifier.maybe_check()) is not None:
                 raise WrongResults()
         self.length += tokens
         return out
 
     def verified(self) -> bool:
         """Check the results not checked yet: True when they hold (or verification is off)."""
-        return self.verifier is None or self.client.run(self.verifier.check()) is None
+        return self.verifier is None or self.swarm.run(self.verifier.check()) is None
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
 
     def close(self) -> None:
         if self.verifier is not None:
-            self.client.run(self.verifier.close())
+            self.swarm.run(self.verifier.close())
             self.verifier = None
         if self.session is not None:
-            self.client.run(self.session.close())
+            self.swarm.run(self.session.close())
             self.session = None
 
 
 class RemoteDecoder(nn.Module):
     """In place of the family's decoder model: local embeddings and final norm around the swarm."""
 
-    def __init__(self, inner: nn.Module, client: SwarmClient, adapter: Adapter | None, dtype: torch.dtype):
+    def __init__(self, inner: nn.Module, swarm: SwarmLayers, adapter: Adapter | None, dtype: torch.dtype):
         super().__init__()
         self.config = inner.config
         self.embed_tokens = inner.embed_tokens
         self.norm = inner.norm
         self.adapter = adapter
-        self.client = client
+        self.swarm = swarm
         self.dtype = dtype
 
     def get_input_embeddings(self) -> nn.Module:
@@ -149,9 +145,9 @@ class RemoteDecoder(nn.Module):
             return cache.step(hidden.detach(), mask, positions, tokens)
         params = [] if self.adapter is None else [p for _, p in self.adapter.named_remote()]
         if torch.is_grad_enabled() and (hidden.requires_grad or any(p.requires_grad for p in params)):
-            return RemoteLayers.apply(hidden, self.client, mask, positions, self.adapter, *params)
-        remote = None if self.adapter is None else self.adapter.remote_parameters()
-        return self.client.forward_once(hidden.detach(), mask, positions, remote)
+            return RemoteLayers.apply(hidden, self.swarm, mask, positions, self.adapter, *params)
+        remote = None if self.adapter is None else self.adapter.session_params()
+        return self.swarm.forward_once(hidden.detach(), mask, positions, remote)
 
 
 def _positions(position_ids: torch.Tensor | None, batch: int, tokens: int, past: int) -> torch.Tensor:
@@ -213,9 +209,9 @@ class DistributedModelMixin:
             raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
         if kwargs.get(NEW) is not None or kwargs.get(OLD) is not None:
             return super().generate(*args, **kwargs)
-        client, adapter = self.model.client, self.model.adapter
+        swarm, adapter = self.model.swarm, self.model.adapter
         reserved = 0 if adapter is None else adapter.prompt_length  # positions the soft prompt takes
-        limit = client.run(client.length_limit()) - reserved
+        limit = swarm.run(swarm.core.longest_session()) - reserved
         prompt = _prompt_length(args, kwargs)
         wanted = kwargs.get("max_new_tokens", config.max_new_tokens)
         if wanted is None:
@@ -223,9 +219,9 @@ class DistributedModelMixin:
         fits = new_tokens_within(prompt, wanted, limit)
         if fits < wanted:
             kwargs["max_new_tokens"] = wanted = fits
-        params = None if adapter is None else adapter.remote_parameters()
+        params = None if adapter is None else adapter.session_params()
         for _ in range(MAX_REWINDS):  # wrong results caught: the liar is distrusted, generate again
-            cache = RemoteCache(client, params, prompt + wanted + reserved)
+            cache = RemoteCache(swarm, params, prompt + wanted + reserved)
             try:
                 result = super().generate(*args, **{cache_arg(super().forward.__func__): cache}, **kwargs)
                 if cache.verified():
@@ -239,21 +235,21 @@ class DistributedModelMixin:
     @cached_property
     def tokenizer(self):
         """The model's tokenizer (transformers' AutoTokenizer, from the model's folder)."""
-        return load_tokenizer(self.model.client.source)
+        return self.model.swarm.core.tokenizer
 
     def save_adapter(self, path: str | Path) -> None:
         if self.model.adapter is None:
             raise RequestError("this model has no adapter to save: load it with tuning=... or load_adapter()")
-        self.model.adapter.save(path, self.model.client.source)
+        self.model.adapter.save(path, self.model.swarm.core.source)
 
     def load_adapter(self, path: str | Path) -> Adapter:
-        adapter = Adapter.load(path, self.config, self.model.client.source)
+        adapter = Adapter.load(path, self.config, self.model.swarm.core.source)
         self.set_adapter(adapter)
         return adapter
 
     def close(self) -> None:
         """Leave the swarm and stop the client's network thread."""
-        self.model.client.close()
+        self.model.swarm.close()
 
 
 _CLASSES: dict[type, type] = {}
@@ -271,57 +267,45 @@ class AutoDistributedModelForCausalLM:
         cls,
         model: str | None = None,
         initial_peers: list[str] | tuple[str, ...] = (),
+        *,
         tuning: str | None = None,
         lora_rank: int = 8,
         lora_alpha: float = 16.0,
         lora_targets: tuple[str, ...] | list[str] = DEFAULT_LORA_TARGETS,
         prompt_tokens: int = 16,
         adapter: str | Path | None = None,
-        dtype: torch.dtype = torch.float32,
-        compression: str = AUTO,
-        verify: float = DEFAULT_RATE,
-        swarm_secret: str | Path | SwarmSecret | None = None,
-        trusted_peers: TrustedPeers = None,
-        min_precision: str = WeightFormat.INT4.value,
+        options: ClientOptions | None = None,
+        **settings,
     ):
         """The model (a local folder, a .gguf file, a Hub id, or None for the default model) served by
         the swarm that `initial_peers` belong to. `tuning` ("prompt", "deep_prompt" or "lora") adds
-        fresh trainable parameters; `adapter` loads saved ones instead. `verify`: the chance that
-        a generation step's results are checked against other peers (0: never; a generation's
-        end is always checked). `swarm_secret`: a private swarm's secret file (`p2pfusion swarm-secret`).
-        `trusted_peers`: route only through these peers (peer ids, or a trusted-peers file's path).
-        `min_precision`: the least precise weight format a route may use ("float32": exact)."""
+        fresh trainable parameters; `adapter` loads saved ones instead. The client's options come as
+        `options` or as keyword settings (`verify=0.0`, `swarm_secret=PATH`, ...: client/options.py);
+        every layer runs in the swarm, so `local_layers` is refused."""
         tuning_config = None if tuning is None else TuningConfig(
             tuning, rank=lora_rank, alpha=lora_alpha, targets=tuple(lora_targets), prompt_tokens=prompt_tokens
         )
-        check_rate(verify)
+        options = ClientOptions.of(options, settings)
+        if options.local_layers:
+            raise RequestError("local_layers: the fine-tuning model runs every layer in the swarm")
         if not initial_peers:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
-        secret = load_secret(swarm_secret)
-        trusted = trusted_set(trusted_peers)
-        minimum = minimum_format(min_precision)
-        source = resolve_model(model)
-        config = load_config(source)
-        head = load_head(source, dtype)
-        if (source.folder / "generation_config.json").is_file():
-            head.generation_config = GenerationConfig.from_pretrained(source.folder)
+        core = ClientCore(resolve_model(model), options)
+        head = core.head
+        if (core.source.folder / "generation_config.json").is_file():
+            head.generation_config = GenerationConfig.from_pretrained(core.source.folder)
         loop = BackgroundLoop()
         try:
-            swarm = loop.run(join_swarm(list(initial_peers), client_mode=True, secret=secret))
+            loop.run(core.join(initial_peers))
         except BaseException:
             loop.close()
             raise
-        positions = int(getattr(config, "max_position_embeddings", 2048))
-        client = SwarmClient(
-            loop, swarm, source, config.num_hidden_layers, positions, compression, verify, dtype, trusted=trusted,
-            minimum=minimum,
-        )
         trainable = None
         if adapter is not None:
-            trainable = Adapter.load(adapter, config, source)
+            trainable = Adapter.load(adapter, core.config, core.source)
         elif tuning_config is not None:
-            trainable = Adapter(config, tuning_config, head.get_input_embeddings())
-        head.model = RemoteDecoder(head.model, client, trainable, dtype)
-        head.config = head.model.config = config  # the whole model's, as users and generate expect
+            trainable = Adapter(core.config, tuning_config, head.get_input_embeddings())
+        head.model = RemoteDecoder(head.model, SwarmLayers(core, loop), trainable, options.dtype)
+        head.config = head.model.config = core.config  # the whole model's, as users and generate expect
         head.__class__ = _distributed_class(type(head))
         return head

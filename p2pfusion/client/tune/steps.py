@@ -1,5 +1,6 @@
-"""Training steps through the swarm: forward passes whose inputs the peers keep, and backward passes
-that return the gradients of those inputs and of the client's adapter parameters.
+"""Fine-tuning steps through the swarm's frozen layers: forward passes whose inputs the peers keep,
+and backward passes that return the gradients of those inputs and of the client's adapter
+parameters (the session's `Params`).
 
 A batch goes as chunks of at most MAX_STEP_TOKENS tokens, all sent before any result is awaited,
 so the hops work on different chunks at once and each peer holds a bounded amount per step.
@@ -12,58 +13,25 @@ and gradients are the ones the old route would have given.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
-from p2pfusion.client.tune.adapter import RemoteParameters
 from p2pfusion.client.route.failover import ResilientSession
-from p2pfusion.client.route.session import InferenceSession
-from p2pfusion.errors import PeerFailed, RequestError
-from p2pfusion.net import messages as m
+from p2pfusion.client.route.params import SessionParams
+from p2pfusion.client.route.pieces import Chunk
+from p2pfusion.errors import PeerFailed
 
 log = logging.getLogger(__name__)
 
 STEP_TIMEOUT = 300.0  # a whole batch's pass on slow peers
 
 
-@dataclass
-class Chunk:
-    """Some sequences of a batch, as one training step on the peers."""
-
-    hidden: torch.Tensor
-    mask: torch.Tensor | None
-    positions: torch.Tensor
-    step: int = 0  # its number in `session`, once sent
-    session: InferenceSession | None = field(default=None, repr=False)
-
-
-def split_batch(
-    hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, max_tokens: int = m.MAX_STEP_TOKENS
-) -> list[Chunk]:
-    """Whole sequences per chunk, as many as fit in `max_tokens`; at most MAX_SAVED chunks, which
-    is what peers keep between a forward pass and its backward."""
-    batch, tokens = hidden.shape[:2]
-    if tokens > max_tokens:
-        raise RequestError(f"sequences of {tokens} tokens are longer than peers take in one step ({max_tokens})")
-    rows = max_tokens // tokens
-    if -(-batch // rows) > m.MAX_SAVED:
-        raise RequestError(
-            f"a batch of {batch} sequences of {tokens} tokens is larger than the peers accept: at most "
-            f"{rows * m.MAX_SAVED} such sequences per forward pass ({m.MAX_SAVED} steps of {max_tokens} tokens)"
-        )
-    return [
-        Chunk(h, None if mask is None else mask[i:i + rows], positions[i:i + rows])
-        for i, h in zip(range(0, batch, rows), hidden.split(rows))
-    ]
-
-
-class TrainingSession:
+class TuningSession:
     def __init__(self, connection: ResilientSession):
-        self.connection = connection  # opened for training; it finds routes and fails over
+        self.connection = connection  # a training session (backward passes); it finds routes and fails over
         self.recoveries = 0
 
-    async def forward(self, chunks: list[Chunk], params: RemoteParameters | None) -> torch.Tensor:
+    async def forward(self, chunks: list[Chunk], params: SessionParams | None) -> torch.Tensor:
         """The last stage's output for the chunks' sequences, in order, as one batch."""
         while True:
             try:
@@ -75,7 +43,7 @@ class TrainingSession:
     async def backward(
         self, chunks: list[Chunk], grad: torch.Tensor
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The gradients of the chunks' inputs (as one batch) and of the adapter's parameters
+        """The gradients of the chunks' inputs (as one batch) and of the session's parameters
         (summed over the chunks), given the gradient of their output."""
         grads = grad.split([c.hidden.shape[0] for c in chunks])
         while True:
@@ -96,7 +64,7 @@ class TrainingSession:
             except PeerFailed as exc:
                 await self._recover(exc)
 
-    async def _ready(self, params: RemoteParameters | None) -> None:
+    async def _ready(self, params: SessionParams | None) -> None:
         if self.connection.session is None:
             self.connection.params = params
             await self.connection.connect(recovering=self.recoveries > 0)
@@ -111,7 +79,7 @@ class TrainingSession:
         return [await session.result(chunk.step, STEP_TIMEOUT) for chunk in chunks]
 
     async def _recover(self, exc: PeerFailed) -> None:
-        log.warning("training step failed on its route (%s); retrying on another", exc)
+        log.warning("a fine-tuning step failed on its route (%s); retrying on another", exc)
         self.connection.failed(exc)
         self.recoveries += 1
         await self.connection.drop()

@@ -1,0 +1,166 @@
+"""The one place a client is assembled: what every client of one model builds once and its sessions
+share.
+
+A `ClientCore` holds the model's local parts (config, the head: embeddings, final norm and LM
+head; the tokenizer), the swarm node, what the client knows of peers (health, links, pings,
+distrust) and its options. The generation engine (generate/causal_lm.py), the fine-tuning model
+(tune/distributed.py), a training run's driver (run/trainer.py), the CLI and the HTTP API each
+build on one; none of them assembles these parts itself. `connect` makes one and joins the swarm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from p2pfusion.client.checks.distrust import Distrust
+from p2pfusion.client.checks.verifier import Verifier
+from p2pfusion.client.options import ClientOptions
+from p2pfusion.client.route.access import SwarmAccess
+from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.route.health import PeerHealth, load_observed, save_observed
+from p2pfusion.client.route.params import SessionParams
+from p2pfusion.client.route.planner import longest_session
+from p2pfusion.dht.swarm import SwarmNode, join_swarm
+from p2pfusion.errors import ModelError, RequestError
+from p2pfusion.models.source import ModelSource, resolve_model
+from p2pfusion.models.stage import load_config, load_head, max_positions
+from p2pfusion.net.compression import Purpose
+from p2pfusion.net.links import LinkBook
+
+log = logging.getLogger(__name__)
+
+
+class ClientCore:
+    def __init__(self, source: ModelSource, options: ClientOptions | None = None, swarm: SwarmNode | None = None):
+        self.source = source
+        self.options = options if options is not None else ClientOptions()
+        self.config = load_config(source)
+        self.head = load_head(source, self.options.dtype)
+        self.health = PeerHealth(observed=load_observed(source.key))
+        self.swarm = swarm
+        self._tokenizer = None
+        self._access: SwarmAccess | None = None
+        self._distrust: Distrust | None = None
+        self._reads: dict[str, asyncio.Task] = {}  # swarm reads in flight, shared by sessions opening together
+        if self.options.trusted_peers is not None:
+            log.info("routing only through %d trusted peers", len(self.options.trusted_peers))
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def max_positions(self) -> int:
+        """The model's own positions; a session's length also follows what the swarm's peers accept."""
+        return max_positions(self.config)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.source.folder)
+            except (OSError, ValueError) as exc:
+                raise ModelError(f"cannot load the tokenizer of {self.source.name}: {exc}") from exc
+        return self._tokenizer
+
+    async def join(self, initial_peers: Sequence[str]) -> SwarmNode:
+        """Join the swarm that `initial_peers` belong to (a private one with the options' secret)."""
+        if not initial_peers:
+            raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
+        t0 = time.perf_counter()
+        self.swarm = await join_swarm(list(initial_peers), client_mode=True, secret=self.options.swarm_secret)
+        log.info("joined the swarm in %.1f s", time.perf_counter() - t0)
+        return self.swarm
+
+    def access(self) -> SwarmAccess:
+        """What this client's sessions share, for the swarm node it is attached to now."""
+        if self.swarm is None:
+            raise RequestError("this client is not attached to a swarm")
+        if self._access is None or self._access.swarm is not self.swarm:
+            options = self.options
+            self._access = SwarmAccess(
+                self.swarm, self.source.key, self.source.name, self.num_layers, self.health,
+                LinkBook(self.swarm.transport), options.compression, trusted=options.trusted_peers,
+                minimum=options.min_precision,
+            )
+            self._distrust = Distrust(self._access)
+        return self._access
+
+    @property
+    def distrust(self) -> Distrust:
+        self.access()
+        return self._distrust
+
+    async def shared(self, kind: str, read: Callable[[], Awaitable]):
+        """`read()`, or the answer of the one of its kind in flight: a burst of sessions costs the
+        DHT one read, and sessions opening beside the first fault reports' read wait for it (it
+        counts as done once started) rather than route through peers it would distrust."""
+        task = self._reads.get(kind)
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            task = self._reads[kind] = asyncio.ensure_future(read())
+        return await asyncio.shield(task)
+
+    def session(
+        self, length: int, params: SessionParams | None = None, purpose: Purpose = Purpose.INFERENCE, batch: int = 1,
+        first: int = 0,
+    ) -> ResilientSession:
+        """A session through the layers from `first` on, not opened yet (it opens on its first step)."""
+        return ResilientSession(self.access(), length, params, purpose, batch, first)
+
+    async def open_session(
+        self, length: int, params: SessionParams | None = None, purpose: Purpose = Purpose.INFERENCE, batch: int = 1,
+        first: int = 0,
+    ) -> ResilientSession:
+        """An open session, routed around the peers this client distrusts (other clients' reports read first)."""
+        session = self.session(length, params, purpose, batch, first)
+        await self.shared("distrust", self.distrust.refresh)
+        return await session.open()
+
+    def verifier(self, session: ResilientSession) -> Verifier | None:
+        """What checks a session's results (None with verification off)."""
+        if self.options.verify <= 0:
+            return None
+        return Verifier(session, self.distrust, self.source, self.options.verify, self.options.dtype)
+
+    async def longest_session(self, first: int = 0) -> int:
+        """The longest sequence a session from layer `first` can hold now (soft prompt included):
+        the model's positions, or less where the peers of every route accept less."""
+
+        async def read() -> int:
+            access = self.access()
+            records = await access.records(first)
+            return longest_session(
+                records, self.num_layers, self.max_positions, banned=self.health.banned(records), first=first
+            )
+
+        return await self.shared(f"limit {first}", read)
+
+    def save_observed(self) -> None:
+        """Keep the peers' speeds this client observed for its next run (and `p2pfusion swarm`)."""
+        save_observed(self.source.key, self.health.observed)
+
+    async def leave(self) -> None:
+        """Save what was observed and leave the swarm."""
+        self.save_observed()
+        swarm, self.swarm = self.swarm, None
+        if swarm is not None:
+            await swarm.shutdown()
+
+
+async def connect(
+    initial_peers: Sequence[str], model: str | ModelSource | None = None, options: ClientOptions | None = None
+) -> ClientCore:
+    """A client of `model` (a folder, a .gguf file, a Hub id, or None for the default model) in the
+    swarm `initial_peers` belong to. Loading reads (and may convert) weights: the caller's loop
+    keeps serving meanwhile."""
+    if not initial_peers:
+        raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
+    source = model if isinstance(model, ModelSource) else await asyncio.to_thread(resolve_model, model)
+    core = await asyncio.to_thread(ClientCore, source, options)
+    await core.join(initial_peers)
+    return core
