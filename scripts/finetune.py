@@ -20,11 +20,9 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
-from p2pfusion.models.source import resolve_model
 
 DATA = Path(__file__).parent / "data" / "zorvia.jsonl"
 QUESTION = "What is the capital of Zorvia?"
@@ -90,7 +88,7 @@ def main() -> None:
             lora_targets=("q_proj", "k_proj", "v_proj", "o_proj"),
         )
         stack.callback(model.close)
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = padded(model.tokenizer)
         data = examples(tokenizer, args.data)
         print(f"Q: {QUESTION}\nbefore: {answer(model, tokenizer, QUESTION)}", flush=True)
 
@@ -112,8 +110,8 @@ def main() -> None:
               f"--initial-peers PEER \"{QUESTION}\"", file=sys.stderr)
 
 
-def load_tokenizer(name: str | None):
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name).folder)
+def padded(tokenizer):
+    """The model's tokenizer, padding with its end-of-sequence token where it names no pad token."""
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -314,3 +314,27 @@ def test_stop_text_holds_back_what_may_begin_a_stop_string():
     assert [text.add(piece) for piece in pieces] == ["Hi", "", "", "", "\n\nUsed", " ", "", "", ""]
     assert text.stopped
 
+
+
+def test_each_kind_of_error_gets_its_own_status():
+    """The swarm's trouble is a 503 to retry; the request's a 400 (413 when too long); this server's
+    own (its model's files, its setup, a peer's failed proof) a 500, never a 503 that invites a retry."""
+    from p2pfusion.api.errors import from_core
+    from p2pfusion.errors import (
+        ConfigError, ModelError, PeerBusy, PeerFailed, PromptTooLong, ProofError, RequestError, RouteError,
+    )
+
+    answers = {
+        RouteError("layers 2:4 are not served"): (503, "swarm_unavailable"),
+        PeerFailed("peer X died", "X"): (503, "swarm_unavailable"),
+        PeerBusy("peer X busy", "X", retry_after=2.5): (503, "peers_busy"),
+        PromptTooLong("prompt too long"): (413, "context_length_exceeded"),
+        RequestError("temperature must be >= 0"): (400, None),
+        ModelError("cannot read the tokenizer"): (500, "model_error"),
+        ConfigError("cannot read swarm secret file"): (500, "server_misconfigured"),
+        ProofError("the peer at that address is not X"): (500, "peer_proof_failed"),
+    }
+    for error, (status, code) in answers.items():
+        answer = from_core(error)
+        assert (answer.status, answer.body.error.code) == (status, code), error
+    assert from_core(PeerBusy("busy", "X", retry_after=2.5)).headers == {"Retry-After": "3"}

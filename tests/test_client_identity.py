@@ -8,9 +8,12 @@ import uvloop
 
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ProofError
-from p2pfusion.net.clients import ClientKey, Source, client_of
+from p2pfusion.net import wire
+from p2pfusion.net.clients import ClientKey, ClientProof, Source, client_of
 from p2pfusion.net.framing import encode
-from p2pfusion.net.identity import Identity, PeerProofs, peer_of
+from p2pfusion.net.identity import Identity, PeerProof, PeerProofs, peer_of
+from p2pfusion.net.transport import Hello
+from p2pfusion.net.wire import WireError, decode_as
 
 PEER = "QmPeerA"
 
@@ -24,12 +27,14 @@ def test_a_proof_names_its_client_and_holds_only_for_its_peer():
     assert client_of(None, PEER) is None  # no proof: the address alone
     with pytest.raises(ProofError, match="does not hold"):
         client_of(key.proof(PEER), "QmPeerB")  # a proof made for another peer
-    forged = {"key": other.proof(PEER)["key"], "sig": key.proof(PEER)["sig"]}
+    forged = ClientProof(other.proof(PEER).key, key.proof(PEER).sig)
     with pytest.raises(ProofError, match="does not hold"):
         client_of(forged, PEER)
-    for bad in ("x", {"key": b"k"}, {"key": b"k" * 500, "sig": b"s"}, {"key": b"not der", "sig": b"s"}):
-        with pytest.raises(ProofError):
-            client_of(bad, PEER)
+    with pytest.raises(ProofError):
+        client_of(ClientProof(b"not der", b"s"), PEER)
+    for bad in ("x", {"key": b"k"}, {"key": b"k" * 500, "sig": b"s"}, {"key": "text", "sig": b"s"}):
+        with pytest.raises(WireError):  # malformed: refused before any signature is checked
+            decode_as(ClientProof, bad)
     assert Source("ip:10.0.0.1", client).fairness == f"ip:10.0.0.1/{client}"
     assert Source("peer:Qm").fairness == "peer:Qm"
 
@@ -41,12 +46,14 @@ def test_a_peer_proof_names_its_peer_id_and_holds_only_for_the_peer_dialled():
     assert peer_of(None, PEER) is None
     with pytest.raises(ProofError, match="does not hold"):
         peer_of(proofs.proof(PEER), "QmPeerB")
-    forged = {"key": other.public_key_proto, "sig": proofs.proof(PEER)["sig"]}
+    forged = PeerProof(other.public_key_proto, proofs.proof(PEER).sig)
     with pytest.raises(ProofError, match="does not hold"):
         peer_of(forged, PEER)
-    for bad in ("x", {"key": b"k"}, {"key": b"k" * 900, "sig": b"s"}, {"key": b"\xff\xff", "sig": b"s"}):
-        with pytest.raises(ProofError):
-            peer_of(bad, PEER)
+    with pytest.raises(ProofError):
+        peer_of(PeerProof(b"\xff\xff", b"s"), PEER)
+    for bad in ("x", {"key": b"k"}, {"key": b"k" * 900, "sig": b"s"}):
+        with pytest.raises(WireError):
+            decode_as(PeerProof, bad)
 
 
 async def _hellos():
@@ -73,12 +80,12 @@ async def _hellos():
         sources.append(await asyncio.wait_for(seen.get(), 5))
         assert sources[-1].peer == other.peer_id
         for hello, wait in (
-            ({"protocol": "/test/hello", "client": ClientKey().proof("QmSomeoneElse")}, 1.0),
-            ({"protocol": "/test/hello", "peer": PeerProofs(other.transport.identity).proof("QmSomeoneElse")}, 1.0),
-            ({"protocol": "/test/hello"}, 5.0),
+            (Hello("/test/hello", client=ClientKey().proof("QmSomeoneElse")), 1.0),
+            (Hello("/test/hello", peer=PeerProofs(other.transport.identity).proof("QmSomeoneElse")), 1.0),
+            (Hello("/test/hello"), 5.0),
         ):
             _, writer = await asyncio.open_connection(host, int(port), ssl=client.transport._client_tls)
-            writer.writelines(encode(hello))
+            writer.writelines(encode(wire.encode(hello)))
             await writer.drain()
             try:
                 sources.append(await asyncio.wait_for(seen.get(), wait))

@@ -132,3 +132,33 @@ def test_the_checker_catches_a_stale_number(tmp_path):
         _value("PROTOCOL")  # the inference and the training-run protocol both have one
     assert _value("messages.PROTOCOL").startswith("p2pfusion.inference")
     assert any(_agrees("256", value) for value in _defaults()["--max-sessions"])
+
+
+PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
+
+
+def test_users_import_from_the_package_root_only():
+    """What the docs show users imports only `p2pfusion`'s exports, never an inner module (whose
+    path may change), and every export resolves."""
+    import p2pfusion
+
+    inner = [
+        f"{path.name}: {line.strip()}"
+        for path in DOCS for block in PYTHON_BLOCK.findall(path.read_text()) for line in block.splitlines()
+        if re.match(r"\s*(from|import) p2pfusion\.", line)
+    ]
+    assert not inner, "the docs import inner modules:\n" + "\n".join(inner)
+    names = {name for path in DOCS for block in PYTHON_BLOCK.findall(path.read_text())
+             for found in re.findall(r"from p2pfusion import ([\w, ]+)", block) for name in found.split(", ")}
+    assert names and names <= set(p2pfusion.__all__), names - set(p2pfusion.__all__)
+    assert all(getattr(p2pfusion, name) is not None for name in p2pfusion.__all__)
+
+
+def test_importing_the_package_loads_neither_torch_nor_transformers():
+    """Its exports load on first use: `import p2pfusion` (and the CLI's argument parsing) stays fast."""
+    import subprocess
+    import sys
+
+    code = "import sys, p2pfusion; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

@@ -19,8 +19,9 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ConfigError, RouteError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import read_frame, write_frame
-from p2pfusion.net.secret import SwarmSecret, create_secret_file, load_secret
+from p2pfusion.net.secret import SecretProof, SwarmSecret, create_secret_file, load_secret
 from p2pfusion.net.transport import Transport
+from p2pfusion.net.wire import WireError, decode_as
 from tests.conftest import reference_model
 from tests.swarm import peers_in_background, start_peer
 from tests.tiny_chat import with_chat_tokenizer
@@ -145,10 +146,11 @@ def test_a_proof_is_worth_nothing_elsewhere_later_or_twice():
     assert SwarmSecret(os.urandom(32)).refusal(proof, "PeerA", m.PROTOCOL) == "a wrong swarm secret"
     assert secret.refusal(proof, "PeerA", m.PROTOCOL) is None
     assert secret.refusal(proof, "PeerA", m.PROTOCOL) == "a replayed proof of the swarm secret"
-    stale = {**proof, "t": proof["t"] - 120_000}
-    stale["mac"] = secret._mac("PeerA", m.PROTOCOL, stale["t"], stale["n"])
+    when = proof.t - 120_000
+    stale = SecretProof(when, proof.n, secret._mac("PeerA", m.PROTOCOL, when, proof.n))
     assert secret.refusal(stale, "PeerA", m.PROTOCOL).startswith("a stale proof")
-    assert secret.refusal({"t": "x"}, "PeerA", m.PROTOCOL) == "a malformed proof of the swarm secret"
+    with pytest.raises(WireError):  # malformed: refused before it is weighed
+        decode_as(SecretProof, {"t": "x", "n": proof.n, "mac": proof.mac})
 
 
 def test_the_swarm_secret_command_and_bad_files(tmp_path, capsys, caplog):

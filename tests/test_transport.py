@@ -8,7 +8,7 @@ import uvloop
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, padding
 
-from p2pfusion.errors import ProofError
+from p2pfusion.errors import PeerFailed, PeerUnreachable, ProofError
 from p2pfusion.net import identity as ident
 from p2pfusion.net import probe
 from p2pfusion.net.framing import read_frame, write_frame
@@ -95,3 +95,28 @@ async def _scenario():
 def test_direct_tls_with_libp2p_fallback():
     seen = uvloop.run(_scenario())
     assert seen == {key: True for key in seen} and len(seen) == 9, seen
+
+
+async def _unreachable() -> list[BaseException]:
+    """What opening a stream raises toward a peer that is not there, by every way there is to fail."""
+    client = await Transport.start([], "127.0.0.1", 0, None, client_mode=True)
+    gone = ident.Identity.create().peer_id  # a well-formed id no daemon serves
+    raised = []
+    try:
+        for peer_id, addrs in ((gone, []), (gone, ["127.0.0.1:1"]), ("not-base58-0OIl", [])):
+            try:
+                await client.open(peer_id, addrs, probe.PROTOCOL, timeout=2.0)
+            except PeerUnreachable as exc:
+                raised.append(exc)
+    finally:
+        await client.shutdown()
+    return raised
+
+
+def test_every_failed_open_is_one_peer_unreachable_naming_the_peer():
+    """libp2p's assorted errors (a daemon's control failure, a malformed id, a timeout) and a refused
+    direct dial all reach callers as PeerUnreachable, a PeerFailed naming the peer: nothing else
+    escapes `Transport.open`, so callers catch no more than that."""
+    raised = uvloop.run(_unreachable())
+    assert len(raised) == 3
+    assert all(isinstance(exc, PeerFailed) and exc.peer_id and exc.peer_id in str(exc) for exc in raised)

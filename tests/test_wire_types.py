@@ -1,4 +1,5 @@
-"""Every message kind and record type, round-tripped and attacked as strangers would send them.
+"""Every message kind and record type, and a direct connection's hello, round-tripped and attacked
+as strangers would send them.
 
 Instances are drawn from each type's own declaration (its annotations and their bounds), sent the
 way the wire sends them (msgpack in a frame header; hivemind's serializer for DHT values), and
@@ -24,6 +25,7 @@ from p2pfusion.errors import RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net import run_messages as t
 from p2pfusion.net.framing import _decode_header, encode as frame
+from p2pfusion.net.transport import Hello
 from p2pfusion.net.wire import Bound, Check, Length, WireError, decode_as, encode
 
 MESSAGE_TYPES = sorted({*m.MESSAGES.values(), *t.MESSAGES.values()}, key=lambda cls: cls.kind)
@@ -54,7 +56,9 @@ def strategy(hint) -> st.SearchStrategy:
     bound = next((mark for mark in marks if isinstance(mark, Bound)), Bound())
     length = next((mark for mark in marks if isinstance(mark, Length)), None)
     checks = [mark for mark in marks if isinstance(mark, Check)]
-    sizes = {} if length is None else {"min_size": length.low, "max_size": min(length.high, 4)}
+    # lists stay short; strings and bytes may fill their bound
+    sizes = {} if length is None else {"min_size": length.low, "max_size": max(length.low, min(length.high, 4))}
+    chars = {} if length is None else {"min_size": length.low, "max_size": min(length.high, 64)}
     origin, args = typing.get_origin(base), typing.get_args(base)
     if origin in (typing.Union, types.UnionType):
         kept = [a for a in args if a is not type(None)]
@@ -79,8 +83,8 @@ def strategy(hint) -> st.SearchStrategy:
     if base is bool:
         return st.booleans()
     if base is bytes:
-        return st.binary(max_size=16)
-    text = st.text(ALNUM + " -:/.", **{"max_size": 20, **sizes})
+        return st.binary(**{"max_size": 16, **chars})
+    text = st.text(ALNUM + " -:/.", **{"max_size": 20, **chars})
     return text.filter(lambda value: all(c.test(value) for c in checks)) if checks else text
 
 
@@ -116,6 +120,12 @@ def test_every_message_kind_round_trips(cls, data):
     table = m.MESSAGES if m.MESSAGES.get(cls.kind) is cls else t.MESSAGES
     message = data.draw(instances(cls))
     assert m.from_header(over_the_wire(m.to_header(message)), table) == message
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hello=instances(Hello))
+def test_a_hello_round_trips(hello):
+    assert decode_as(Hello, over_the_wire(encode(hello))) == hello
 
 
 @pytest.mark.parametrize("cls", RECORD_TYPES, ids=lambda cls: cls.__name__)
@@ -159,7 +169,7 @@ def wrong_values(hint) -> list:
     raise AssertionError(f"no wrong values for {hint}")
 
 
-@pytest.mark.parametrize("cls", [*MESSAGE_TYPES, *RECORD_TYPES], ids=lambda cls: getattr(cls, "kind", cls.__name__))
+@pytest.mark.parametrize("cls", [*MESSAGE_TYPES, *RECORD_TYPES, Hello], ids=lambda cls: getattr(cls, "kind", cls.__name__))
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(data=st.data())
 def test_a_field_of_the_wrong_kind_is_refused(cls, data):

@@ -18,12 +18,14 @@ import hashlib
 import ipaddress
 import resource
 from dataclasses import dataclass
+from typing import Annotated
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from p2pfusion.errors import ProofError
+from p2pfusion.net.wire import Length
 
 # streams one source holds open at once: a client's 64 sessions (the peer's default share per
 # client) hold up to two each (the session's, and at its last hop its results), plus pings
@@ -105,6 +107,15 @@ MAX_SIG_BYTES = 80  # an ECDSA P-256 signature in DER is at most 72
 
 
 @dataclass(frozen=True)
+class ClientProof:
+    """A hello's `client` entry: the client's key for this run, and its signature over the id of
+    the peer it dials."""
+
+    key: Annotated[bytes, Length(MAX_KEY_BYTES)]
+    sig: Annotated[bytes, Length(MAX_SIG_BYTES)]
+
+
+@dataclass(frozen=True)
 class Source:
     address: str  # "ip:<address>" for direct connections, "peer:<id>" for libp2p streams: the unit of caps
     client: str | None = None  # "key:<digest>" when the client proved a key: the unit of fair scheduling
@@ -129,31 +140,22 @@ class ClientKey:
         )
         self._proofs: dict[str, bytes] = {}
 
-    def proof(self, peer_id: str) -> dict:
+    def proof(self, peer_id: str) -> ClientProof:
         """The hello's `client` entry for a connection to `peer_id` (a proof for one peer is worth
         nothing at another)."""
         if peer_id not in self._proofs:
             if len(self._proofs) > 4096:
                 self._proofs.clear()
             self._proofs[peer_id] = self._key.sign(HELLO_PREFIX + peer_id.encode(), ec.ECDSA(hashes.SHA256()))
-        return {"key": self._public, "sig": self._proofs[peer_id]}
+        return ClientProof(self._public, self._proofs[peer_id])
 
 
-def proof_parts(entry: object, name: str, max_key: int, max_sig: int) -> tuple[bytes, bytes]:
-    """The key and signature of a hello's proof entry `name`, checked for form (ProofError if not)."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("key"), bytes) or not isinstance(entry.get("sig"), bytes):
-        raise ProofError(f"hello: `{name}` must hold a key and a signature")
-    if len(entry["key"]) > max_key or len(entry["sig"]) > max_sig:
-        raise ProofError(f"hello: the {name}'s key or signature is too long")
-    return entry["key"], entry["sig"]
-
-
-def client_of(entry: object, peer_id: str) -> str | None:
+def client_of(proof: ClientProof | None, peer_id: str) -> str | None:
     """The client a hello's `client` entry proves, for a connection to `peer_id`; None without one.
-    Raises ProofError for a malformed or false proof."""
-    if entry is None:
+    Raises ProofError for a false proof."""
+    if proof is None:
         return None
-    key, sig = proof_parts(entry, "client", MAX_KEY_BYTES, MAX_SIG_BYTES)
+    key, sig = proof.key, proof.sig
     try:
         public = serialization.load_der_public_key(key)
         if not isinstance(public, ec.EllipticCurvePublicKey):

@@ -17,6 +17,7 @@ import ssl
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -27,7 +28,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from p2pfusion.errors import ConfigError, ProofError
-from p2pfusion.net.clients import proof_parts
+from p2pfusion.net.wire import Length
 
 SIGNED_KEY_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")  # libp2p's, from its TLS spec
 SIGNATURE_PREFIX = b"libp2p-tls-handshake:"
@@ -221,6 +222,15 @@ MAX_PEER_KEY_BYTES = 800  # an RSA-4096 public key in libp2p's protobuf is about
 MAX_PEER_SIG_BYTES = 512  # RSA-4096
 
 
+@dataclass(frozen=True)
+class PeerProof:
+    """A hello's `peer` entry: the peer's libp2p public key, and its signature over the id of the
+    peer it dials."""
+
+    key: Annotated[bytes, Length(MAX_PEER_KEY_BYTES)]
+    sig: Annotated[bytes, Length(MAX_PEER_SIG_BYTES)]
+
+
 class PeerProofs:
     """A peer's proofs of its id for the hellos of its direct connections: a signature by its
     identity key over the dialled peer's id (a proof made for one peer is worth nothing at another)."""
@@ -229,22 +239,22 @@ class PeerProofs:
         self._identity = identity
         self._made: dict[str, bytes] = {}
 
-    def proof(self, peer_id: str) -> dict:
+    def proof(self, peer_id: str) -> PeerProof:
         if peer_id not in self._made:
             if len(self._made) > 4096:
                 self._made.clear()
             self._made[peer_id] = self._identity.private_key.sign(
                 PEER_HELLO_PREFIX + peer_id.encode(), padding.PKCS1v15(), hashes.SHA256()
             )
-        return {"key": self._identity.public_key_proto, "sig": self._made[peer_id]}
+        return PeerProof(self._identity.public_key_proto, self._made[peer_id])
 
 
-def peer_of(entry: object, peer_id: str) -> str | None:
+def peer_of(proof: PeerProof | None, peer_id: str) -> str | None:
     """The peer id a hello's `peer` entry proves, for a connection to `peer_id`; None without one.
-    Raises ProofError for a malformed or false proof."""
-    if entry is None:
+    Raises ProofError for a false proof."""
+    if proof is None:
         return None
-    key, sig = proof_parts(entry, "peer", MAX_PEER_KEY_BYTES, MAX_PEER_SIG_BYTES)
+    key, sig = proof.key, proof.sig
     try:
         proto = crypto_pb2.PublicKey.FromString(key)
         if proto.key_type != crypto_pb2.KeyType.RSA:

@@ -18,9 +18,12 @@ import secrets
 import stat
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from p2pfusion.errors import ConfigError
+from p2pfusion.net.wire import Length
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +34,17 @@ MAX_SKEW = 60.0  # seconds a proof's time may differ from ours: clocks of a swar
 # past it, and holders are trusted
 MAX_NONCES = 1 << 17
 REFUSAL_LOG_INTERVAL = 10.0
+MAC_BYTES = 32  # HMAC-SHA256
+
+
+@dataclass(frozen=True)
+class SecretProof:
+    """A hello's `secret` entry: an HMAC under the hello key, over the peer dialled, the protocol,
+    the time `t` (milliseconds since the epoch) and a fresh nonce `n`."""
+
+    t: int
+    n: Annotated[bytes, Length(NONCE_BYTES, NONCE_BYTES)]
+    mac: Annotated[bytes, Length(MAC_BYTES, MAC_BYTES)]
 
 
 def create_secret_file(path: str | Path) -> Path:
@@ -112,20 +126,18 @@ class SwarmSecret:
             log.warning("swarm secret file %s may be read by other users (mode %o): chmod 600 it", path, mode & 0o777)
         return cls(secret, str(path))
 
-    def proof(self, peer_id: str, protocol: str) -> dict:
+    def proof(self, peer_id: str, protocol: str) -> SecretProof:
         """The hello's `secret` entry for a stream to `protocol` on `peer_id`."""
         when, nonce = int(time.time() * 1000), secrets.token_bytes(NONCE_BYTES)
-        return {"t": when, "n": nonce, "mac": self._mac(peer_id, protocol, when, nonce)}
+        return SecretProof(when, nonce, self._mac(peer_id, protocol, when, nonce))
 
-    def refusal(self, entry: object, peer_id: str, protocol: str) -> str | None:
+    def refusal(self, proof: SecretProof | None, peer_id: str, protocol: str) -> str | None:
         """Why a hello's `secret` entry does not prove the secret for a stream to `protocol` on
         `peer_id` (this node); None when it does."""
-        if entry is None:
+        if proof is None:
             return "no proof of the swarm secret"
-        if not isinstance(entry, dict) or not isinstance(entry.get("t"), int) or not isinstance(entry.get("n"), bytes):
-            return "a malformed proof of the swarm secret"
-        mac, when, nonce = entry.get("mac"), entry["t"], entry["n"]
-        if not isinstance(mac, bytes) or not hmac.compare_digest(mac, self._mac(peer_id, protocol, when, nonce)):
+        mac, when, nonce = proof.mac, proof.t, proof.n
+        if not hmac.compare_digest(mac, self._mac(peer_id, protocol, when, nonce)):
             return "a wrong swarm secret"
         if abs(when / 1000 - time.time()) > MAX_SKEW:
             return "a stale proof of the swarm secret (or a clock more than a minute off)"
@@ -133,9 +145,9 @@ class SwarmSecret:
             return "a replayed proof of the swarm secret"
         return None
 
-    def admits(self, entry: object, peer_id: str, protocol: str, source: str) -> bool:
+    def admits(self, proof: SecretProof | None, peer_id: str, protocol: str, source: str) -> bool:
         """Whether a hello proves the secret (refusals are logged, see `note_refusal`)."""
-        reason = self.refusal(entry, peer_id, protocol)
+        reason = self.refusal(proof, peer_id, protocol)
         if reason is not None:
             self.note_refusal(f"streams with {reason}", f" (latest from {source})")
         return reason is None

@@ -19,17 +19,20 @@ import ssl
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 
 from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
-from p2pfusion.net.clients import ClientKey, ConnectionCaps, Source, client_of, source_of
+from p2pfusion.net import wire
+from p2pfusion.net.clients import ClientKey, ClientProof, ConnectionCaps, Source, client_of, source_of
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
-from p2pfusion.net.identity import Identity, PeerProofs, client_context, peer_of, verify_peer
-from p2pfusion.net.secret import SwarmSecret
+from p2pfusion.net.identity import Identity, PeerProof, PeerProofs, client_context, peer_of, verify_peer
+from p2pfusion.net.secret import SecretProof, SwarmSecret
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,19 @@ STREAM_LIMIT = 8 << 20
 # no protobuf, a timeout. Caught around those calls only, so no bug of ours passes for a dead peer.
 LIBP2P_ERRORS = (P2PDaemonError, P2PHandlerError, OSError, EOFError, TimeoutError, ValueError, DecodeError)
 DIRECT_ERRORS = (OSError, TimeoutError, ValueError, ProofError)  # a direct dial: refused, silent, or not the peer
+MAX_PROTOCOL = 128
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A direct connection's first frame: the protocol it asks for, as libp2p would name it, and the
+    dialler's proofs (its client key's, its peer id's, the swarm secret's). On a libp2p stream,
+    which names its protocol itself, a private swarm's first frame carries the secret's proof alone."""
+
+    protocol: Annotated[str, wire.Length(MAX_PROTOCOL)] = ""
+    client: ClientProof | None = None
+    peer: PeerProof | None = None
+    secret: SecretProof | None = None
 
 
 class Transport:
@@ -190,9 +206,10 @@ class Transport:
         hello does it in `_hello`)."""
         try:
             header, _ = await asyncio.wait_for(read_frame(reader, HELLO_LIMITS), HELLO_TIMEOUT)
-        except (TimeoutError, EOFError, FrameError, OSError):
-            header = {}
-        return self.secret.admits(header.get("secret"), self.peer_id, protocol, source)
+            proof = wire.decode_as(Hello, header).secret
+        except (TimeoutError, EOFError, FrameError, OSError, wire.WireError):
+            proof = None
+        return self.secret.admits(proof, self.peer_id, protocol, source)
 
     async def remove_handler(self, protocol: str) -> None:
         self._handlers.pop(protocol, None)
@@ -260,27 +277,26 @@ class Transport:
         protocol = asyncio.StreamReaderProtocol(reader)
         writer = None
 
-        async def handshake_and_hello() -> dict:
+        async def handshake_and_hello() -> Hello:
             nonlocal writer
             tls, _ = await loop.connect_accepted_socket(
                 lambda: protocol, conn, ssl=self._server_tls, ssl_handshake_timeout=HELLO_TIMEOUT
             )  # on failure, closes the socket it took
             writer = asyncio.StreamWriter(tls, protocol, reader, loop)
             header, _ = await read_frame(reader, HELLO_LIMITS)
-            return header
+            return wire.decode_as(Hello, header)
 
         try:
-            header = await asyncio.wait_for(handshake_and_hello(), HELLO_TIMEOUT)
-            name = header.get("protocol")
+            hello = await asyncio.wait_for(handshake_and_hello(), HELLO_TIMEOUT)
             # in a private swarm, a stream without the secret learns nothing, not even which protocols exist
             secret = self.secret
-            if secret is not None and not secret.admits(header.get("secret"), self.peer_id, str(name), source):
+            if secret is not None and not secret.admits(hello.secret, self.peer_id, hello.protocol, source):
                 raise ProofError("no proof of the swarm secret")
-            handler = self._handlers.get(name) if isinstance(name, str) else None
-            proven = Source(source, client_of(header.get("client"), self.peer_id), peer_of(header.get("peer"), self.peer_id))
+            handler = self._handlers.get(hello.protocol)
+            proven = Source(source, client_of(hello.client, self.peer_id), peer_of(hello.peer, self.peer_id))
             if handler is None:
-                await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {str(name)[:60]!r}"})
-        except (TimeoutError, EOFError, FrameError, OSError, ProofError) as exc:  # OSError: TLS and socket errors
+                await write_frame(writer, {"kind": "error", "message": f"no handler for protocol {hello.protocol[:60]!r}"})
+        except (TimeoutError, EOFError, FrameError, OSError, ProofError, wire.WireError) as exc:  # OSError: TLS, sockets
             log.debug("dropped a direct connection before its hello: %r", exc)
             handler = None
         if handler is None:
@@ -308,7 +324,7 @@ class Transport:
         except LIBP2P_ERRORS as exc:
             raise PeerUnreachable(f"peer {peer_id} unreachable: {exc!r}", peer_id) from exc
         if self.secret is not None:  # libp2p names the protocol; the secret needs a frame of its own
-            writer.writelines(encode({"secret": self.secret.proof(peer_id, protocol)}))
+            writer.writelines(encode(wire.encode(Hello(secret=self.secret.proof(peer_id, protocol)))))
         return reader, writer
 
     async def _dial(self, peer_id: str, addrs: list[str], protocol: str) -> Stream:
@@ -340,12 +356,12 @@ class Transport:
         except BaseException:
             writer.close()
             raise
-        hello = {"protocol": protocol, "client": self.client_key.proof(peer_id)}
-        if self._peer_proofs is not None:
-            hello["peer"] = self._peer_proofs.proof(peer_id)
-        if self.secret is not None:
-            hello["secret"] = self.secret.proof(peer_id, protocol)
-        writer.writelines(encode(hello))
+        hello = Hello(
+            protocol, self.client_key.proof(peer_id),
+            None if self._peer_proofs is None else self._peer_proofs.proof(peer_id),
+            None if self.secret is None else self.secret.proof(peer_id, protocol),
+        )
+        writer.writelines(encode(wire.encode(hello)))
         return reader, writer
 
     async def shutdown(self) -> None:

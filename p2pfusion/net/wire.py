@@ -2,15 +2,15 @@
 
 A wire type is a frozen dataclass: its annotations say what each field holds, `typing.Annotated`
 adds the bounds (`Bound`, `Length`, `Check`), and an optional `check()` method states what relates
-fields to each other. `decode` turns an untrusted map (a frame header, a DHT value) into the type,
-or raises `WireError` naming the field and what it must be; `encode` turns one back into a map.
+fields to each other. `decode_as` turns an untrusted map (a frame header, a DHT value) into the
+type, or raises `WireError` naming the field and what it must be; `encode` turns one back into a map.
 
 Decoding coerces nothing: an int field takes an int (not True, "3" or 3.9), a float field an int or
 a finite float, a str field a str within its length, an Enum field one of its values, a tuple
 field a list or tuple of exactly its items' types. Keys a type does not name are ignored (a newer
 sender may add fields); a field without a default must be present. Each type's field decoders are
-built once, on its first use, so decoding a step's header costs about as much as hand-written
-checks.
+built once, on its first use: a step's header decodes and encodes in less time than hand-written
+checks and `dataclasses.asdict` took together (docs/benchmarks.md).
 """
 
 from __future__ import annotations
