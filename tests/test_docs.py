@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "p2pfusion"
 DOCS = [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").glob("*.md") if p.name != "benchmarks.md")]
 # `NAME`, `NAME[key]`, `Class.attr` or `module.NAME`, then its value in parentheses
-CONSTANT = re.compile(r"`((?:[a-z_]+\.)*[A-Z][A-Za-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?(?:\[[^\]`]+\])?)`\s+\(([^)]*)\)")
-FLAG = re.compile(r"`(--[a-z][a-z-]*)(?: [A-Z][A-Z|.]*)?`\s+\(([^)]*)\)")
+# the value is read ahead, not consumed, so a citation inside another's parenthesis is read too
+CONSTANT = re.compile(r"`((?:[a-z_]+\.)*[A-Z][A-Za-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?(?:\[[^\]`]+\])?)`\s+\((?=([^)]*)\))")
+FLAG = re.compile(r"`(--[a-z][a-z-]*)(?: [A-Z][A-Z|.]*)?`\s+\((?=([^)]*)\))")
 NUMBER = re.compile(r"^(-?\d[\d,]*(?:\.\d+)?(?:e-?\d+)?)\s*(ms|s|min|KiB|MiB|GiB|%)?(?![\w.])")
 LITERAL = re.compile(r"^`[^`/ ]+`(?::|$)")  # a value, not a path
 UNITS = {None: 1.0, "ms": 1e-3, "s": 1.0, "min": 60.0, "KiB": 2.0 ** 10, "MiB": 2.0 ** 20, "GiB": 2.0 ** 30, "%": 0.01}
@@ -132,6 +133,8 @@ def test_the_checker_catches_a_stale_number(tmp_path):
         _value("PROTOCOL")  # the inference and the training-run protocol both have one
     assert _value("messages.PROTOCOL").startswith("p2pfusion.inference")
     assert any(_agrees("256", value) for value in _defaults()["--max-sessions"])
+    nested = "`FILE.tls` (mode 0600; made anew within `CERT_MIN_LIFE.days` (7) of expiry)"
+    assert [m.group(1) for m in CONSTANT.finditer(nested) if _cited(m.group(1), m.group(2))] == ["CERT_MIN_LIFE.days"]
 
 
 PYTHON_BLOCK = re.compile(r"```python\n(.*?)```", re.S)
