@@ -183,7 +183,6 @@ class Ping:
     kind: ClassVar[str] = "ping"
 
 
-Message = Subscribe | Open | Ack | Step | Backward | Result | Error | Close | Leaving | Params | ParamGrads | Ping
 MESSAGES: dict[str, type] = {
     cls.kind: cls
     for cls in (Subscribe, Open, Ack, Step, Backward, Result, Error, Close, Leaving, Params, ParamGrads, Ping)
