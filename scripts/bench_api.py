@@ -8,12 +8,15 @@ local swarm of the default model, in one run.
   the first token's text) and decode tokens/s (tokens after the first, over the time from the first
   token to the last); medians, and the API's ratio to the core's;
 - --concurrent streams at once, distinct prompts: aggregate tokens/s (tokens after each stream's
-  first, over the time from the first stream's first token to the last stream's last token).
+  first, over the time from the first stream's first token to the last stream's last token),
+  and "all decoding" (tokens chosen while every stream was decoding, over that time, as in
+  bench_load.py), through the API and the core, each over transformers' batched generate of the
+  same prompts (decode only, the better of 1 and all threads, as bench_load.py measures it).
 The API is read as a client reads it: server-sent events over HTTP (httpx), chunks parsed as JSON.
 Both sides are greedy, stop at EOS and check peers' results at the default rate, so they generate
 the same tokens. Results on stdout, logs and progress on stderr.
 
-Usage: python scripts/bench_api.py [--tokens 64] [--runs 5] [--concurrent 8] [--peers 3]
+Usage: python scripts/bench_api.py [--tokens 64] [--runs 5] [--concurrent 8] [--peers 3] [--peer-args ARGS]
 """
 
 from __future__ import annotations
@@ -30,13 +33,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx2
+import torch
 import uvloop
+from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import ModelSource, resolve_model
 from p2pfusion.models.stage import load_config
+from bench_load import local_rate
+from bench_machine import machine_header
 
 TOPICS = [
     "a lighthouse keeper", "a lost violin", "the first snow on Mars", "a clockmaker's apprentice",
@@ -65,6 +72,15 @@ class Stream:
     @property
     def rate(self) -> float:
         return (self.tokens - 1) / max(self.stamps[-1] - self.stamps[0], 1e-9)
+
+
+def all_decoding(streams: list[Stream]) -> float:
+    """Tokens chosen while every stream was decoding (from the last stream's first token to the
+    first stream's last), over that time: what a batched generate measures, as in bench_load.py."""
+    start, end = max(s.stamps[0] for s in streams), min(s.stamps[-1] for s in streams)
+    if end <= start:
+        return aggregate(streams)
+    return sum(start < t <= end for s in streams for t in s.stamps) / (end - start)
 
 
 def aggregate(streams: list[Stream]) -> float:
@@ -156,7 +172,16 @@ async def bench(args, source: ModelSource, maddrs: list[str], url: str) -> Resul
         await swarm.shutdown()
 
 
-def report(r: Results, args) -> None:
+def local_reference(source: ModelSource, concurrent: int, tokens: int) -> tuple[float, int]:
+    """transformers' batched generate of the concurrent streams' prompts: tokens/s, threads."""
+    local = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
+    eos = local.config.eos_token_id
+    pad = local.config.pad_token_id if local.config.pad_token_id is not None else eos[0] if isinstance(eos, list) else eos
+    encoder = RemoteCausalLM.build(source)
+    return local_rate(local, [encoder.encode(prompt(i), chat=True) for i in range(concurrent)], tokens, pad)
+
+
+def report(r: Results, args, local: tuple[float, int]) -> None:
     med = statistics.median
     ttft = [a.first_token / c.first_token for a, c in zip(r.api, r.core)]
     rates = [a.rate / c.rate for a, c in zip(r.api, r.core)]
@@ -168,6 +193,12 @@ def report(r: Results, args) -> None:
           f"{med(rates):>6.2f}  {', '.join(f'{x:.2f}' for x in rates)}")
     print(f"{f'aggregate tok/s, {args.concurrent} streams':<28} {many_api:>9.1f} {many_core:>9.1f} "
           f"{many_api / many_core:>6.2f}")
+    together_api, together_core = all_decoding(r.api_many), all_decoding(r.core_many)
+    print(f"{f'the same, all decoding':<28} {together_api:>9.1f} {together_core:>9.1f} {together_api / together_core:>6.2f}")
+    rate, threads = local
+    print(f"{f'local batched generate of {args.concurrent}':<28} {rate:>9.1f} tok/s on {threads} threads: "
+          f"all decoding, API {together_api / rate:.2f}, core {together_core / rate:.2f} of it (target 0.8); "
+          f"first to last, API {many_api / rate:.2f}, core {many_core / rate:.2f}")
     overhead = 1 - med(rates)
     print(f"\ntarget: the API costs at most 5% of decode tokens/s: {overhead * 100:+.1f}% "
           f"{'PASS' if overhead <= 0.05 else 'FAIL'}")
@@ -179,7 +210,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5, help="single streams per side")
     parser.add_argument("--concurrent", type=int, default=8, help="streams at once")
     parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--peer-args", default="", help="more run-peer arguments, e.g. '--decode-threads 2'")
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     if args.tokens < 2 or args.runs < 1 or args.concurrent < 1 or args.peers < 1:
         parser.error("--tokens must be at least 2, and --runs, --concurrent and --peers at least 1")
 
@@ -188,7 +221,7 @@ def main() -> None:
     print(f"model {source.name}, {args.tokens} tokens per stream, {args.runs} runs, {args.concurrent} concurrent, "
           f"{args.peers} peers", file=sys.stderr)
     with LocalSwarm(model=None) as swarm:
-        swarm.start(even_ranges(layers, args.peers))
+        swarm.start(even_ranges(layers, args.peers), args.peer_args.split())
         api, url = start_api(swarm)
         try:
             results = uvloop.run(bench(args, source, swarm.maddrs, url))
@@ -196,7 +229,7 @@ def main() -> None:
             api.terminate()
             api.wait(30)
         print(f"API log: {Path(swarm.workdir) / 'api.log'}", file=sys.stderr)
-    report(results, args)
+    report(results, args, local_reference(source, args.concurrent, args.tokens))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
 from p2pfusion.net.transport import _split_addr
+from bench_machine import machine_header
 
 PROMPT = "What is the capital of France?"
 ATTACKS = ["slowloris", "amplification", "prefill-flood", "session-flood", "dht-wipe", "dht-flood", "tarpit"]
@@ -310,6 +311,7 @@ def main() -> None:
     if args.worker:
         worker(args.worker, args.maddrs, args.key, args.hidden)
         return
+    print(machine_header(), flush=True)
     attacks = [a for a in args.attacks.split(",") if a]
     unknown = set(attacks) - set(ATTACKS)
     if unknown:

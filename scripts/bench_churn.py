@@ -15,7 +15,8 @@
    found by trying every assignment of peers to the three stages; after joins, and after rounds
    of the rebalancing cost model.
 
-Usage: python scripts/bench_churn.py [--runs 2] [--tokens 40] [--stall-runs 20]
+Usage: python scripts/bench_churn.py [--runs 2] [--tokens 40] [--stall-runs 20] [--setups backup,self-heal]
+(--runs 0 skips the coverage measurement)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.peer.balance import Capacity, bottleneck, choose_range, layer_throughputs
 from p2pfusion.peer.rebalance import plan_move
+from bench_machine import machine_header
 
 KILL_AT = 12
 PROMPT = "Write a short story about a robot who learns to paint."
@@ -172,7 +174,9 @@ def main() -> None:
     parser.add_argument("--stall-runs", type=int, default=20, help="generations per setup with a peer killed")
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--skip-swarm", action="store_true", help="only the balance simulation")
+    parser.add_argument("--setups", default="backup,self-heal", help="stall setups to run, comma-separated")
     args = parser.parse_args()
+    print(machine_header(), flush=True)
 
     print("balance quality (simulation, 30 seeds each; bottleneck / best achievable):")
     for peers in (6, 9, 12):
@@ -185,13 +189,15 @@ def main() -> None:
         return
     source = resolve_model(None)
     expected = reference_tokens(source, args.tokens)
-    for setup in ("backup", "self-heal"):
+    for setup in [name for name in args.setups.split(",") if name in ("backup", "self-heal")]:
         runs = [measure_stall(source, setup, args.tokens, expected) for _ in range(args.stall_runs)]
         stalls = sorted(s for s in runs if s is not None)
         name = "a warm backup" if setup == "backup" else "no backup (a peer moves)"
         summary = f"p50 {statistics.median(stalls):.2f} s, max {stalls[-1]:.2f} s" if stalls else "no run completed"
         print(f"stall with {name}: {len(stalls)} of {len(runs)} generations complete and token-identical; {summary}")
     coverage = [measure_coverage(source, 30) for _ in range(args.runs)]
+    if not coverage:
+        return
     print(f"full coverage after an unreported kill -9, no backup: median {statistics.median(coverage):.1f} s; "
           f"runs {', '.join(f'{c:.1f}' for c in coverage)}")
 

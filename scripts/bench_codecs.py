@@ -23,6 +23,7 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage
 from p2pfusion.net.codecs import pack, unpack
 from p2pfusion.net.compression import Codec
+from bench_machine import machine_header
 
 PROMPTS = [
     "What is the capital of France?",
@@ -82,6 +83,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--codecs", default=",".join(c.value for c in Codec), help="comma-separated, for agreement")
     args = parser.parse_args()
+    print(machine_header(), flush=True)
 
     print("codec      pack+unpack MB/s   wire ratio")
     for codec, (speed, ratio) in codec_speeds().items():

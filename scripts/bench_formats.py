@@ -31,6 +31,7 @@ from p2pfusion.client.checks.policy import relative_errors
 from p2pfusion.models.formats import WeightFormat, layer_sizes, load_settings
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage
+from bench_machine import machine_header
 
 _spec = importlib.util.spec_from_file_location("bench_codecs", Path(__file__).with_name("bench_codecs.py"))
 codecs_bench = importlib.util.module_from_spec(_spec)
@@ -80,6 +81,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8)
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     formats = [WeightFormat(name) for name in args.formats.split(",")]
     if WeightFormat.FLOAT32 not in formats:
         formats.insert(0, WeightFormat.FLOAT32)

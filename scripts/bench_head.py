@@ -23,6 +23,7 @@ from tqdm import tqdm
 from p2pfusion.client.generate.screen import screened_head
 from p2pfusion.models.source import resolve_model
 from transformers import AutoModelForCausalLM
+from bench_machine import machine_header
 
 ROWS = (1, 2, 4, 8, 16)
 
@@ -39,6 +40,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=7)
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     source = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32)
     screen = screened_head(model)

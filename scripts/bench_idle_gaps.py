@@ -3,10 +3,11 @@ decode gap to local transformers (docs/benchmarks.md).
 
 In a pipeline of peers on one machine, each peer waits about two thirds of every token for the
 others. This measures, in one run, each of two things done back to back and after such a gap:
-1. one decode step through 10 layers of the default model (fp32, one thread, KV cache);
+1. one decode step through 10 layers of the default model (fp32, KV cache), on one thread, on all
+   of them, and on all kept warm: the machine header of every bench script (bench_machine.py);
 2. a loopback TCP round trip of one token's hidden state (2304 bytes) between two processes.
 
-    python scripts/bench_idle_gaps.py [--gap-ms 24] [--steps 40]
+    python scripts/bench_idle_gaps.py [--gap-ms 25] [--steps 40]
 """
 
 from __future__ import annotations
@@ -17,26 +18,11 @@ import multiprocessing
 import statistics
 import time
 
-import torch
 import uvloop
 
-from p2pfusion.models.source import resolve_model
-from p2pfusion.models.stage import load_stage
+from bench_machine import machine_header
 
 PAYLOAD = 576 * 4
-
-
-def decode_steps(stage, gap: float, steps: int) -> float:
-    cache = stage.new_cache()
-    stage.forward(torch.randn(1, 40, stage.hidden_size), 0, cache)
-    times = []
-    for i in range(steps):
-        if gap:
-            time.sleep(gap)
-        t0 = time.perf_counter()
-        stage.forward(torch.randn(1, 1, stage.hidden_size), 40 + i, cache)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _echo_server(port: int) -> None:
@@ -71,18 +57,12 @@ async def round_trips(port: int, gap: float, count: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gap-ms", type=float, default=24.0, help="idle time before each step")
+    parser.add_argument("--gap-ms", type=float, default=25.0, help="idle time before each step")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--port", type=int, default=39123)
     args = parser.parse_args()
     gap = args.gap_ms / 1000
-    torch.set_num_threads(1)
-    stage = load_stage(resolve_model(None), 0, 10)
-    pairs = [(decode_steps(stage, 0, args.steps), decode_steps(stage, gap, args.steps)) for _ in range(2)]
-    busy, idle = statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
-    print(f"decode step, 10 layers: back to back {busy * 1000:.2f} ms, after {args.gap_ms:.0f} ms idle "
-          f"{idle * 1000:.2f} ms ({idle / busy:.2f}x)")
-
+    print(machine_header(gap), flush=True)
     server = multiprocessing.Process(target=_echo_server, args=(args.port,), daemon=True)
     server.start()
     time.sleep(1.0)

@@ -8,7 +8,7 @@
 Both sides use the same model, inputs, dtype (fp32) and CPU threads. The swarm's peers are real
 processes on 127.0.0.1, each serving a third of the layers; the client keeps embeddings and head.
 Local and swarm runs alternate, so load from other tenants of the machine hits both alike.
-Usage: python scripts/bench_inference.py [--tokens 64] [--runs 5] [--peers 3]
+Usage: python scripts/bench_inference.py [--tokens 64] [--runs 5] [--peers 3] [--peer-args '--decode-threads 2:warm']
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
+from bench_machine import machine_header
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -92,7 +93,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--peer-args", default="", help="more run-peer arguments, e.g. '--decode-threads 2:warm'")
     args = parser.parse_args()
+    print(machine_header(), flush=True)
 
     source = resolve_model(None)
     local = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()
@@ -102,7 +105,7 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}", file=sys.stderr)
 
     with LocalSwarm(model=None) as swarm:
-        swarm.start(even_ranges(local.config.num_hidden_layers, args.peers))
+        swarm.start(even_ranges(local.config.num_hidden_layers, args.peers), args.peer_args.split())
         r = uvloop.run(swarm_runs(source, swarm.maddrs, local, ids, batch, args))
 
     decode = [s / loc for s, loc in zip(r["swarm_tps"], r["local_tps"])]

@@ -22,6 +22,7 @@ the normal sessions' 127.0.0.1):
 Results on stdout, logs and progress on stderr.
 
 Usage: python scripts/bench_load.py [--sessions 1,2,4,8,16] [--tokens 64] [--abusers sessions,prefills] [--quick]
+       [--peer-args "--decode-threads 2"]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
+from bench_machine import machine_header
 
 TOPICS = [
     "a lighthouse keeper", "a lost violin", "the first snow on Mars", "a clockmaker's apprentice",
@@ -387,6 +389,7 @@ def main() -> None:
     parser.add_argument("--abusers", default=",".join(ABUSERS), help="abusive clients to run beside 4 normal ones")
     parser.add_argument("--min-gaps", type=int, default=256, help="token gaps pooled per N (small N run again)")
     parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--peer-args", default="", help="more run-peer arguments, e.g. '--decode-threads 2'")
     parser.add_argument("--quick", action="store_true", help="1, 2 and 4 sessions of 16 tokens, for development")
     parser.add_argument("--abuser", choices=ABUSERS, help=argparse.SUPPRESS)
     parser.add_argument("--maddrs", nargs="*", help=argparse.SUPPRESS)
@@ -394,6 +397,7 @@ def main() -> None:
     if args.abuser:
         uvloop.run(abuse(args.abuser, args.maddrs))
         return
+    print(machine_header(), flush=True)
     if args.quick:
         args.sessions, args.tokens, args.min_gaps = "1,2,4", 16, 32
     try:
@@ -413,7 +417,7 @@ def main() -> None:
     print(f"model {source.name}, {args.tokens} tokens per session, sessions {args.sessions}, "
           f"abusers {args.abusers}, torch threads {torch.get_num_threads()}", file=sys.stderr)
     with LocalSwarm(model=None) as swarm:
-        swarm.start(even_ranges(local.config.num_hidden_layers, args.peers))
+        swarm.start(even_ranges(local.config.num_hidden_layers, args.peers), args.peer_args.split())
         rows, abused = uvloop.run(bench(args, source, local, pad, swarm))
         peer_reports(swarm)
     report(rows, abused, args.tokens)

@@ -22,7 +22,8 @@ from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
-from p2pfusion.peer.memory import trim
+from p2pfusion.models.formats import trim_heap
+from bench_machine import machine_header
 
 PROMPTS = [
     "What is a DHT?",
@@ -35,7 +36,7 @@ PROMPTS = [
 def memory_mib() -> tuple[float, float]:
     """This process's resident memory and the anonymous part of it (heap: weights, caches; the
     rest is mostly library code paged in), once freed heap pages went back to the system."""
-    trim()
+    trim_heap()
     with open("/proc/self/smaps_rollup") as rollup:
         fields = {line.split()[0]: int(line.split()[1]) for line in rollup if line.split()[0] in ("Rss:", "Anonymous:")}
     return fields["Rss:"] / 1024, fields["Anonymous:"] / 1024
@@ -79,6 +80,7 @@ def main() -> None:
     parser.add_argument("--local-layers", type=int, default=10)
     parser.add_argument("--verify", type=float, default=0.0)
     args = parser.parse_args()
+    print(machine_header(), flush=True)
 
     source = resolve_model(None)
     config = load_config(source)

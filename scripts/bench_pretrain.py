@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.run.trainer import SwarmTrainer
 from p2pfusion.models.source import resolve_model
+from bench_machine import machine_header
 
 TRAIN_MODULES = ("argparse", "asyncio.tasks", "collections", "functools", "itertools", "json", "logging", "os", "pathlib",
                  "re", "shutil", "subprocess", "threading", "typing", "unittest.case", "urllib.parse", "zipfile")
@@ -167,6 +168,7 @@ def main() -> None:
     parser.add_argument("--plot", help="draw the loss curves into this PNG")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-pretrain-"))
     source = resolve_model(None)
     tokenizer = AutoTokenizer.from_pretrained(source.folder)

@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from p2pfusion.models.source import resolve_model
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.compression import Codec
+from bench_machine import machine_header
 
 _spec = importlib.util.spec_from_file_location("privacy_attacks", Path(__file__).with_name("privacy_attacks.py"))
 attacks = importlib.util.module_from_spec(_spec)
@@ -348,6 +349,7 @@ def main() -> None:
         help="the exact attack on raw states searches the whole vocabulary where its budget finds no match (slow on a CPU)",
     )
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     depths = DEPTHS if args.depths is None else tuple(int(d) for d in args.depths.split(","))
     sizes = QUICK if args.quick else FULL
     if args.budget:

@@ -37,6 +37,7 @@ from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.net import probe
 from p2pfusion.net.framing import read_frame, write_frame
 from p2pfusion.net.secret import SwarmSecret, create_secret_file, load_secret
+from bench_machine import machine_header
 
 HIDDEN = 576
 ABSENT = "p2pfusion.model.bench-absent"
@@ -139,6 +140,7 @@ def main() -> None:
     if args.serve is not None:
         uvloop.run(serve(args.serve or None))
         return
+    print(machine_header(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         secret_file = str(create_secret_file(os.path.join(tmp, "swarm.secret")))
         servers = {

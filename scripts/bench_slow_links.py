@@ -32,6 +32,7 @@ from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
+from bench_machine import machine_header
 
 PEERS = 3
 SUBNET = "10.77.0"
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--runs", type=int, default=2)
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     reason = namespaces_unavailable() or (None if shutil.which("tc") else "tc (iproute2) is not installed")
     if reason is not None:
         print(f"bench_slow_links: error: {reason}", file=sys.stderr)

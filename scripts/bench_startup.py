@@ -31,6 +31,7 @@ from pathlib import Path
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.models.fingerprint import swarm_key, weight_files
 from p2pfusion.models.source import resolve_model
+from bench_machine import machine_header
 
 PROMPT = "What is a DHT?"
 LOCAL = """
@@ -133,6 +134,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=16)
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     source = resolve_model(None)
     swarm_keys(source, args.runs)
     restarts(args.runs)

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.models.source import resolve_model
+from bench_machine import machine_header
 
 TARGETS = ("q_proj", "v_proj")
 
@@ -52,6 +53,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--compression", default="auto")
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     source = resolve_model(None)
     ids = torch.randint(100, 40000, (args.batch, args.tokens), generator=torch.Generator().manual_seed(0))
 

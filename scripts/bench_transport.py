@@ -28,6 +28,7 @@ from hivemind.proto import runtime_pb2
 from p2pfusion.net import probe
 from p2pfusion.net.framing import read_frame, write_frame
 from p2pfusion.net.transport import STREAM_LIMIT, Transport
+from bench_machine import machine_header
 
 HIDDEN = 576
 UNARY = "bench.unary"
@@ -122,6 +123,7 @@ def main() -> None:
     if args.serve:
         uvloop.run(serve())
         return
+    print(machine_header(), flush=True)
     server = subprocess.Popen([sys.executable, __file__, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         info = json.loads(server.stdout.readline())

@@ -37,6 +37,7 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.peer.runtime import Peer, PeerOptions
+from bench_machine import machine_header
 
 PROMPT = "Write a short story about a robot who learns to paint."
 FLIPPED = 20  # the position whose output the "flip" liar negates
@@ -216,6 +217,7 @@ def main() -> None:
     parser.add_argument("--cost-runs", type=int, default=3)
     parser.add_argument("--skip-cost", action="store_true")
     args = parser.parse_args()
+    print(machine_header(), flush=True)
     unknown = set(args.corruptions) - set(CORRUPTIONS)
     if unknown:
         parser.error(f"unknown corruptions: {sorted(unknown)}")

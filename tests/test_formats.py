@@ -1,6 +1,9 @@
 """Weight formats: what each costs and computes, without a network; then real peers on 127.0.0.1
 holding their layers in float32, int4 and bfloat16, and clients that choose what they accept."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -8,7 +11,7 @@ from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.route.planner import refused_only
 from p2pfusion.client.checks.policy import FORMAT_TOLERANCE, relative_errors
-from p2pfusion.cli.options import FORMATS
+from p2pfusion.cli.options import FORMATS, unused_quantizers
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RequestError
@@ -31,6 +34,21 @@ def test_the_cli_names_the_formats_in_order_of_precision():
     assert minimum_format("float32") == WeightFormat.FLOAT32
     with pytest.raises(RequestError, match="unknown weight format 'fp8'; choose one of float32, bfloat16"):
         minimum_format("fp8")
+
+
+@pytest.mark.parametrize("quant, hidden", [(None, {"torchao", "bitsandbytes"}), ("int8", {"bitsandbytes"})])
+def test_a_peer_process_imports_no_quantizer_but_its_own(tmp_path, quant, hidden):
+    """transformers imports torchao whenever it is installed (some 80 MiB resident): a float32
+    peer, or a client, must not carry it, and an int8 peer not bitsandbytes."""
+    argv = ["run-peer", "--new-swarm", "--model", str(tmp_path / "absent"), *(["--quant", quant] if quant else [])]
+    script = (
+        "import sys; from p2pfusion.cli.main import main; code = main(sys.argv[1:]);"
+        "import transformers.modeling_utils;"
+        "print(code, sorted(k for k in ('torchao', 'bitsandbytes') if k in sys.modules and sys.modules[k] is None))"
+    )
+    done = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=120)
+    assert done.stdout.split(maxsplit=1) == ["2", f"{sorted(hidden)}\n"], done.stderr[-500:]
+    assert unused_quantizers("infer", None) == ["torchao", "bitsandbytes"]
 
 
 def test_records_carry_the_format_and_refuse_a_malformed_one():

@@ -8,38 +8,25 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-from transformers.initialization import no_init_weights
+from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
+from tests.random_llama import CONFIG, write_random_llama
 
 GIB = 1 << 30
 BUDGET = 1.2  # GiB per peer: the 1.5 GiB model needs three of them
 PEERS = 3
 IDS = [3, 17, 42, 99, 5, 250, 7, 1]
 NEW = 4
-# about 400M parameters: 24 layers of 64 MiB in float32
-CONFIG = dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-              num_key_value_heads=16, vocab_size=256, max_position_embeddings=256)
 
 
 @pytest.fixture(scope="module")
 def big_model(tmp_path_factory) -> Path:
-    """A random Llama saved as safetensors (filled with small normal values: a faithful random
-    init of 400M parameters takes longer than the rest of the test)."""
-    torch.manual_seed(0)
-    with no_init_weights():
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.02 * torch.randn_like(p) if "norm" in name else 0.02 * torch.randn_like(p))
-    folder = tmp_path_factory.mktemp("big-llama")
-    model.save_pretrained(folder)
-    return folder
+    return write_random_llama(tmp_path_factory.mktemp("big-llama"))
 
 
 def status_kib(pid: int, field: str) -> int:
@@ -80,3 +67,30 @@ def test_peers_claim_layers_by_memory_and_serve_a_model_none_could_hold(big_mode
     assert result.token_ids == expected[0, len(IDS):].tolist()
     assert max(peaks) <= BUDGET * GIB, [p / GIB for p in peaks]
     assert client_growth < 64 << 20  # the client read its embeddings, norm and head, not the layers
+
+
+@pytest.mark.slow
+def test_an_int8_peer_stays_in_its_budget_while_it_serves(big_model):
+    """The promise a quantized peer makes: its resident peak, loading and then serving, stays within
+    `--max-memory` (its weights are a quarter of float32's; the loader's copies and the forwards'
+    dequantized temporaries must not stay resident)."""
+    source = resolve_model(str(big_model))
+    budget = 1.0  # GiB: the int8 layers (384 MiB) and the process, not the float32 weights (1.5 GiB)
+    options = ["--max-memory", str(budget), "--quant", "int8", "--throughput", "100", "--session-limit", "64"]
+    with LocalSwarm(model=str(big_model)) as swarm:
+        proc = swarm.launch(None, options)
+        swarm.wait_ready(proc, timeout=120)
+        log = (swarm.workdir / "peer0.log").read_text()
+        start, end = map(int, re.search(r"serving layers (\d+):(\d+)", log).groups())
+        loop = BackgroundLoop("test-memory-int8")
+        try:
+            client = loop.run(join_swarm(swarm.maddrs, client_mode=True))
+            model = RemoteCausalLM.build(source, client, compression="none", verify=0.0)
+            results = [loop.run(model.generate(IDS[:n], NEW, stop_at_eos=False, decode=False)) for n in (8, 5, 3)]
+            loop.run(client.shutdown())
+        finally:
+            loop.close()
+        peak = status_kib(proc.pid, "VmHWM") * 1024
+    assert (start, end) == (0, CONFIG["num_hidden_layers"]), log  # the whole model fits in int8
+    assert all(len(r.token_ids) == NEW for r in results)
+    assert peak <= budget * GIB, peak / GIB

@@ -18,7 +18,7 @@ from p2pfusion.peer.admission import (
     vouched_origin,
 )
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
-from p2pfusion.peer.memory import TRIM_AFTER, TRIM_EVERY, trim_due
+from p2pfusion.peer.memory import QUANTIZED_TRIM_EVERY, TRIM_AFTER, TRIM_EVERY, quantized_trim_due, trim_due
 from p2pfusion.peer.relay import screen
 from tests.policy_records import rec
 
@@ -129,3 +129,11 @@ def test_the_heap_is_trimmed_once_in_a_while_as_sessions_end():
     assert trim_due(1, 0, 0.0)  # none left open
     assert trim_due(big, 3, TRIM_EVERY) and not trim_due(big, 3, TRIM_EVERY / 2)
     assert not trim_due(big - 1, 3, 100.0)
+
+
+def test_a_quantized_stage_on_cpu_trims_its_forwards_temporaries_only_while_idle():
+    """A trim (10-20 ms) would hold up a step running beside it; a float32 stage frees nothing it must give back."""
+    assert quantized_trim_due(True, True, QUANTIZED_TRIM_EVERY)
+    assert not quantized_trim_due(True, True, QUANTIZED_TRIM_EVERY / 2)
+    assert not quantized_trim_due(True, False, 100.0)
+    assert not quantized_trim_due(False, True, 100.0)

@@ -52,6 +52,7 @@ async def run_peer(args, device: str) -> None:
         max_memory=args.max_memory,
         backup=args.backup,
         throughput=args.throughput,
+        decode_threads=args.decode_threads,
         device=device,
         host=args.host,
         announce_host=args.announce_host,

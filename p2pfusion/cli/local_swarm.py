@@ -62,11 +62,11 @@ class LocalSwarm:
             self.maddrs = maddrs
         return maddrs
 
-    def start(self, ranges: list[tuple[int, int]]) -> LocalSwarm:
-        """The first peer starts the swarm; the others join it in parallel."""
-        first = self.launch(ranges[0])
+    def start(self, ranges: list[tuple[int, int]], extra: list[str] | None = None) -> LocalSwarm:
+        """The first peer starts the swarm; the others join it in parallel. `extra`: run-peer arguments for all."""
+        first = self.launch(ranges[0], extra)
         self.wait_ready(first)
-        rest = [self.launch(r) for r in ranges[1:]]
+        rest = [self.launch(r, extra) for r in ranges[1:]]
         for proc in rest:
             self.wait_ready(proc)
         return self

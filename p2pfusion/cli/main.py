@@ -34,6 +34,8 @@ from p2pfusion.cli.options import (
     precision_options,
     temperature,
     throughput,
+    decode_threads,
+    unused_quantizers,
     whole_number,
 )
 from p2pfusion.dht.records import DEFAULT_SESSION_LIMIT  # no torch: parsing must not wait for it
@@ -125,6 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument(
         "--throughput", type=throughput, default="auto", metavar="auto|eval|N",
         help="auto: reuse the cached benchmark; eval: measure again; N: one-token steps/s through one layer",
+    )
+    peer.add_argument(
+        "--decode-threads", type=decode_threads, default="auto", metavar="auto|N|N:warm",
+        help="CPU threads for one-token steps, and whether they spin between a session's steps; "
+        "auto: what the compute benchmark found fastest after idle gaps like a pipeline's",
     )
     where = peer.add_mutually_exclusive_group()
     where.add_argument("--gpu", type=whole_number(0), metavar="N", help="serve on CUDA device N")
@@ -290,6 +297,9 @@ def _run(coro) -> None:
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     args = build_parser().parse_args(argv)
+    for library in unused_quantizers(args.command, getattr(args, "quant", None)):
+        # a name mapped to None fails to import, and transformers then sees the library as absent
+        sys.modules.setdefault(library, None)
     if args.command == "run-peer":
         # A stage idles while other stages compute, often on the same cores, so its OpenMP
         # threads must not spin for long (libgomp's default is about 3 ms) after a step; never

@@ -81,6 +81,14 @@ def throughput(text: str) -> str:
     return text
 
 
+def decode_threads(text: str) -> str:
+    """auto, N (threads for one-token steps) or N:warm (and spinning between a session's steps)."""
+    count, _, warm = text.partition(":")
+    if text == "auto" or (count.isdigit() and int(count) > 0 and warm in ("", "warm")):
+        return text
+    raise argparse.ArgumentTypeError(f"expected auto, N or N:warm (N threads, at least 1), got {text!r}")
+
+
 def gibibytes(text: str) -> int:
     """An argument type: a positive amount of memory in GiB (fractions allowed), as bytes."""
     try:
@@ -158,6 +166,15 @@ LOCAL_LAYERS = dict(
 FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 DTYPES = FORMATS[:3]
 QUANTS = FORMATS[3:]
+QUANTIZERS = {"int8": "torchao", "int4": "bitsandbytes"}  # the library each quantized format needs
+
+
+def unused_quantizers(command: str, quant: str | None) -> list[str]:
+    """The quantization libraries a command's process never uses: all but a run-peer's own format's.
+    transformers imports torchao whenever it is installed (some 80 MiB, and warnings about GPU
+    kernels this machine lacks), so the CLI hides these from the process before anything imports them."""
+    needed = QUANTIZERS.get(quant) if command == "run-peer" else None
+    return [library for library in QUANTIZERS.values() if library != needed]
 
 
 def precision_options(command: argparse.ArgumentParser) -> None:

@@ -11,6 +11,9 @@ precision: what fits a peer is decided by the quantized size.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import importlib
 import math
 from enum import Enum
 from pathlib import Path
@@ -82,45 +85,70 @@ def matrix_bytes(shape: list[int], stored: torch.dtype, fmt: WeightFormat, compu
     return count * compute.itemsize
 
 
-def _linears(module: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    return [
-        (parent, name, child)
-        for parent in module.modules()
-        for name, child in parent.named_children()
-        if type(child) is nn.Linear
-    ]
+def linear_names(module: nn.Module) -> set[str]:
+    """The qualified names of a module's plain linear layers: the ones a quantized format packs."""
+    return {name for name, child in module.named_modules() if type(child) is nn.Linear}
 
 
-def quantize(layer: nn.Module, fmt: WeightFormat, compute: torch.dtype, device: str) -> None:
-    """Quantize the linear layers of one decoder layer in place (and move it to `device`)."""
+def _malloc_trim():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        return None
+
+
+_TRIM = _malloc_trim()
+
+
+def trim_heap() -> None:
+    """Return the heap's free pages to the system. glibc keeps large freed blocks in its heap once
+    it has seen a few (its mmap threshold grows): a quantized layer's float32 weights and the
+    quantizer's temporaries, freed KV caches. A peer quantizing 24 layers of 64 MiB to int8 peaked
+    at 4.6 GiB, for 385 MiB of weights, before it trimmed after each matrix (docs/benchmarks.md)."""
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+def load_quantizer(fmt: WeightFormat) -> None:
+    """Import the library that makes `fmt`, if any: before a peer counts the memory it holds (torchao
+    is some 80 MiB), so its budget counts it."""
     if fmt == WeightFormat.INT8:
-        layer.to(device)
+        importlib.import_module("torchao.quantization")
+    elif fmt == WeightFormat.INT4:
+        try:
+            importlib.import_module("bitsandbytes")
+        except ImportError as exc:
+            raise ModelError(f"int4 needs bitsandbytes: {exc}") from exc
+
+
+def quantize(parent: nn.Module, name: str, fmt: WeightFormat, compute: torch.dtype, device: str) -> None:
+    """Quantize the linear layer `parent.<name>` in place, moving it to `device`."""
+    linear = getattr(parent, name)
+    if fmt == WeightFormat.INT8:
+        linear.to(device)
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-        quantize_(layer, Int8WeightOnlyConfig())
+        quantize_(linear, Int8WeightOnlyConfig())
     elif fmt == WeightFormat.INT4:
-        _to_nf4(layer, compute, device)
+        setattr(parent, name, _nf4(linear, compute, device))
     else:
         raise ModelError(f"{fmt.value} is not a quantized format")
 
 
-def _to_nf4(layer: nn.Module, compute: torch.dtype, device: str) -> None:
+def _nf4(linear: nn.Linear, compute: torch.dtype, device: str) -> nn.Module:
     try:
         import bitsandbytes as bnb
     except ImportError as exc:
         raise ModelError(f"int4 needs bitsandbytes: {exc}") from exc
-    for parent, name, linear in _linears(layer):
-        packed = bnb.nn.Linear4bit(
-            linear.in_features, linear.out_features, linear.bias is not None, compute_dtype=compute,
-            quant_type="nf4", device="meta",
-        )
-        packed.weight = bnb.nn.Params4bit(
-            linear.weight.data, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK,
-        )
-        if linear.bias is not None:
-            packed.bias = nn.Parameter(linear.bias.data, requires_grad=False)
-        setattr(parent, name, packed.to(device))  # bitsandbytes quantizes on this move
-    layer.to(device)
+    packed = bnb.nn.Linear4bit(
+        linear.in_features, linear.out_features, linear.bias is not None, compute_dtype=compute,
+        quant_type="nf4", device="meta",
+    )
+    packed.weight = bnb.nn.Params4bit(linear.weight.data, requires_grad=False, quant_type="nf4", blocksize=NF4_BLOCK)
+    if linear.bias is not None:
+        packed.bias = nn.Parameter(linear.bias.data, requires_grad=False)
+    return packed.to(device)  # bitsandbytes quantizes on this move
 
 
 def stored_bytes(module: nn.Module) -> int:

@@ -35,7 +35,10 @@ from p2pfusion.errors import ModelError
 from p2pfusion.models.tuning import StageParams, applied
 from p2pfusion.models.cache_arg import cache_arg
 from p2pfusion.models.fingerprint import weight_files
-from p2pfusion.models.formats import LAYER_PREFIX, WeightFormat, is_weight, quantize, stored_bytes, weight_format, weight_storages
+from p2pfusion.models.formats import (
+    LAYER_PREFIX, QUANTS, WeightFormat, is_weight, linear_names, quantize, stored_bytes, trim_heap, weight_format,
+    weight_storages,
+)
 from p2pfusion.models.kv_cache import SessionCache, batchable, batched_step
 from p2pfusion.models.source import ModelSource
 
@@ -101,6 +104,11 @@ class Stage:
     device: torch.device = torch.device("cpu")
     batchable: bool = False  # sessions' steps may run as one batch (models.kv_cache)
     format: WeightFormat = WeightFormat.FLOAT32
+
+    @property
+    def quantized_on_cpu(self) -> bool:
+        """Its forwards dequantize weights into temporaries that the C heap keeps (see `trim_heap`)."""
+        return self.format in QUANTS and self.device.type == "cpu"
 
     def new_cache(self) -> SessionCache | DynamicCache:
         if self.batchable:
@@ -209,9 +217,14 @@ def _tensor_files(folder: Path) -> dict[str, Path]:
     return files
 
 
-def _read(files: dict[str, Path], wanted: dict[str, str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read(
+    files: dict[str, Path], wanted: dict[str, str], dtype: torch.dtype, own: bool = False
+) -> dict[str, torch.Tensor]:
     """Tensors `wanted` (file name -> module name), each converted to `dtype` as it is read, so a
-    half-precision peer never holds a float32 copy of more than one tensor."""
+    half-precision peer never holds a float32 copy of more than one tensor. A tensor in the file's
+    own format stays a view of its memory-mapped file unless `own`: then it is copied out, so that
+    nothing keeps the mapping (and every page read through it, counted in the process's resident
+    memory) once the tensors are replaced, as quantized layers' are."""
     weights = {}
     by_file: dict[Path, list[str]] = {}
     for key in wanted:
@@ -220,7 +233,8 @@ def _read(files: dict[str, Path], wanted: dict[str, str], dtype: torch.dtype) ->
         with safe_open(str(path), framework="pt") as f:
             for key in keys:
                 tensor = f.get_tensor(key)
-                weights[wanted[key]] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                converted = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                weights[wanted[key]] = converted.clone() if own and converted is tensor else converted
     return weights
 
 
@@ -229,11 +243,30 @@ def _progress(total: int, what: str) -> tqdm:
                 disable=not sys.stderr.isatty())
 
 
-def _materialize(module: nn.Module, weights: dict[str, torch.Tensor], what: str) -> None:
-    missing = {n for n, _ in module.named_parameters()} - set(weights)
+def _check_complete(module: nn.Module, names, what: str) -> None:
+    missing = {n for n, _ in module.named_parameters()} - set(names)
     if missing:
         raise ModelError(f"weights missing for {what}: {sorted(missing)[:3]}")
-    module.load_state_dict(weights, strict=False, assign=True)
+
+
+def _load_quantized(
+    layer: nn.Module, files: dict[str, Path], wanted: dict[str, str], dtype: torch.dtype, quant: WeightFormat,
+    device: str,
+) -> None:
+    """Read one linear layer's tensors at a time and quantize it before reading the next, so that
+    loading holds one float32 matrix (and its quantizer's temporaries) beyond what the stage keeps;
+    a whole float32 layer at once had put a 400M int8 peer's peak 200 MiB over its budget."""
+    linears = linear_names(layer)
+    groups: dict[str, dict[str, str]] = {}
+    for key, name in wanted.items():
+        owner = name.rpartition(".")[0]
+        groups.setdefault(owner if owner in linears else "", {})[key] = name
+    for owner, keys in groups.items():
+        layer.load_state_dict(_read(files, keys, dtype, own=True), strict=False, assign=True)
+        if owner:
+            parent, _, child = owner.rpartition(".")
+            quantize(layer.get_submodule(parent), child, quant, dtype, device)
+            trim_heap()  # the float32 copy and the quantizer's temporaries: given back, not kept
 
 
 def _frozen(module: nn.Module, device: str, dtype: torch.dtype | None) -> nn.Module:
@@ -249,8 +282,8 @@ def load_stage(
     quant: WeightFormat | None = None,
 ) -> Stage:
     """Layers [start, end) computing in `dtype`, their linear weights quantized to `quant` if given.
-    Layers are read (and quantized) one at a time, so loading never holds more than one layer in
-    a wider format than the stage keeps."""
+    Layers are read one at a time (a quantized one matrix by matrix), so loading never holds more
+    than one layer in a wider format than the stage keeps: in resident memory too (see `_read`)."""
     config = load_config(source)
     total = config.num_hidden_layers
     if not 0 <= start < end <= total:
@@ -269,10 +302,12 @@ def load_stage(
                 by_layer.setdefault(int(index), {})[key] = rest
     with _progress(end - start, f"layers {start}:{end}") as bar:
         for index in range(start, end):
-            layer = module.layers[index - start]
-            _materialize(layer, _read(files, by_layer.get(index, {}), dtype), f"layer {index}")
-            if quant is not None:
-                quantize(layer, quant, dtype, device)
+            layer, wanted = module.layers[index - start], by_layer.get(index, {})
+            _check_complete(layer, wanted.values(), f"layer {index}")
+            if quant is None:
+                layer.load_state_dict(_read(files, wanted, dtype), strict=False, assign=True)
+            else:
+                _load_quantized(layer, files, wanted, dtype, quant, device)
             bar.update()
     _frozen(module, device, dtype if quant is None else None)
     fmt = quant if quant is not None else weight_format(dtype, None)
@@ -290,7 +325,8 @@ def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Mod
     weights = _read(files, {key: key for key in files if not key.startswith(LAYER_PREFIX)}, dtype)
     if "lm_head.weight" not in weights and getattr(config, "tie_word_embeddings", False):
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-    _materialize(head, weights, "the embeddings and LM head")
+    _check_complete(head, weights, "the embeddings and LM head")
+    head.load_state_dict(weights, strict=False, assign=True)
     return _frozen(head, "cpu", dtype)
 
 

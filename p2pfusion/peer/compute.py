@@ -3,6 +3,8 @@ chunks, backward passes, and the memory training sessions keep between them."""
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
 from collections.abc import Callable
 
@@ -10,25 +12,43 @@ import torch
 
 from p2pfusion.peer.scheduler import Scheduler, Stats
 from p2pfusion.peer.session import Session, StepInputs
+from p2pfusion.peer.threads import DecodeSettings
 
 SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
 PREFILL_CHUNK = 256  # positions per chunk of a prefill when no other session waits on this peer
 SHARED_CHUNK_SECONDS = 0.05  # a chunk's compute while other sessions are open: what a decode step may wait
 MIN_CHUNK = 8
 FIRST_SHARED_CHUNK = 32  # before this peer has timed a prefill
+# Kept warm, the compute thread spins after a small step for twice the recent gap between steps,
+# so that a session's next step finds it awake, and at most this long: a client that went quiet
+# gets the cores back
+LONGEST_WARM = 0.1
+GRAIN = 32768  # elements per thread below which torch runs an op on fewer threads (at::internal::GRAIN_SIZE)
+
+
+def spin(threads: int, until: float, stop: threading.Event | None = None) -> None:
+    """Keep the calling thread's OpenMP workers busy until `until` (perf_counter) or `stop`: each
+    pass is an op that torch splits across `threads`, microseconds long, so a step that arrives
+    finds every worker awake."""
+    kick = torch.zeros(threads * GRAIN)
+    while time.perf_counter() < until and not (stop is not None and stop.is_set()):
+        kick.add_(1.0)
 
 
 class StageCompute:
     def __init__(
         self,
-        decode_threads: int | None,
+        decode: DecodeSettings | None,
         training_memory: int,
         prefill_chunk: int = PREFILL_CHUNK,
         shared: Callable[[], bool] = lambda: False,
     ):
         self.scheduler = Scheduler()
         self._all_threads = torch.get_num_threads()
-        self._decode_threads = decode_threads or self._all_threads
+        self._decode_threads = decode.threads if decode else self._all_threads
+        self._warm = decode is not None and decode.warm and self._decode_threads > 1
+        self._small_done: float | None = None  # when the last small step ended
+        self._gap = LONGEST_WARM / 2  # between a small step's end and the next one's start, lately
         self.prefill_chunk = prefill_chunk
         self._shared = shared  # whether other sessions are open here, whose steps a long chunk would hold up
         self._row_seconds: float | None = None  # a prefill position's compute, lately
@@ -41,12 +61,20 @@ class StageCompute:
     def stats(self) -> Stats:
         return self.scheduler.stats
 
+    @property
+    def idle(self) -> bool:
+        """Nothing runs on the compute thread, and nothing waits for it."""
+        return self.scheduler.idle
+
     async def forward(self, session: Session, inputs: StepInputs) -> tuple[torch.Tensor, float]:
         """A step's output and its seconds (queueing included). A decode step runs batched with the
         other sessions' that are ready at the same time. Chunks of one step run in order, but other
         sessions' steps may run between them; the KV cache makes the result the same."""
         t0 = time.perf_counter()
         batch, tokens = inputs.hidden.shape[:2]
+        small = not session.training and batch * tokens <= SMALL_STEP_ROWS
+        if small and self._small_done is not None:
+            self._gap = 0.7 * self._gap + 0.3 * (t0 - self._small_done)
         if session.training:
             out = await self._run(session, batch * tokens, True, self._train_forward, session, inputs)
         elif self._batchable(session, inputs) and not self._runs_inline(session, batch):
@@ -60,7 +88,11 @@ class StageCompute:
                 outs.append(await self._run(session, batch * (b - a), tokens > 1, self._infer, session, inputs, a, b))
                 a = b
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return out, time.perf_counter() - t0
+        done = time.perf_counter()
+        if small and self._warm:
+            self._small_done = done
+            self.scheduler.keep_warm(functools.partial(spin, self._decode_threads), done + min(LONGEST_WARM, 2 * self._gap))
+        return out, done - t0
 
     @staticmethod
     def _batchable(session: Session, inputs: StepInputs) -> bool:
@@ -101,8 +133,11 @@ class StageCompute:
         (docs/benchmarks.md). Only while the compute thread is idle, because steps must not
         interleave (an adapter hooks the shared module for the length of its step), and only
         while no other session is open: the loop must stay free to queue their steps, which then
-        run as one batch."""
-        return not session.training and self.scheduler.idle and rows <= SMALL_STEP_ROWS and not self._shared()
+        run as one batch. Never while kept warm: the warm threads are the compute thread's."""
+        return (
+            not self._warm and not session.training and self.scheduler.idle and rows <= SMALL_STEP_ROWS
+            and not self._shared()
+        )
 
     def _threads_for(self, rows: int) -> None:
         """Runs just before each step; steps never overlap, so torch's process-wide setting is theirs."""
@@ -112,6 +147,7 @@ class StageCompute:
 
     def forget(self, session: Session) -> None:
         self.scheduler.forget(session.session_id)
+        self.scheduler.stop_warm()  # the sessions still open warm it again with their next steps
 
     def keep_graph(self, inputs: StepInputs) -> None:
         if inputs.graph is not None and self.graph_bytes + inputs.graph.nbytes > self.training_memory:

@@ -1,5 +1,5 @@
-"""How many layers fit a peer's memory, how much it gives sessions' KV caches, and giving freed
-memory back to the system.
+"""How many layers fit a peer's memory, how much it gives sessions' KV caches, and when to give
+freed memory back to the system (peer/heap.py does, when these policies say so).
 
 A peer's budget (`--max-memory`, or by default most of what the device has free) covers
 everything the peer holds: on CPU, the process itself too (its interpreter and libraries, read
@@ -11,8 +11,6 @@ what is left once they are loaded goes to sessions and activations.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 from pathlib import Path
@@ -30,6 +28,10 @@ TRIM_AFTER = 16 << 20  # bytes of sessions freed before the heap is trimmed (or 
 # thread's allocations, and a client whose idle sessions expire together (each reserving more
 # than TRIM_AFTER) had set off one per session, slowing others' tokens 2.5x (docs/benchmarks.md)
 TRIM_EVERY = 10.0
+# seconds between trims while a quantized stage on CPU serves: its forwards dequantize each weight
+# into a temporary, and glibc kept about 300 MiB of them (a quarter of the weights of a 400M int8
+# stage) until a trim (docs/benchmarks.md); a trim takes 10-20 ms, so it runs only while the compute is idle
+QUANTIZED_TRIM_EVERY = 2.0
 
 
 def layers_that_fit(budget: int, used: int, layer_bytes: int, kv_token_bytes: int, session_limit: int) -> int:
@@ -62,15 +64,9 @@ def default_cache_memory(free: int, weights: int) -> int:
     return max(int(CACHE_SHARE * (free - weights)), 0)
 
 
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
-        return None
-
-
-_TRIM = _malloc_trim()
+def quantized_trim_due(quantized_on_cpu: bool, compute_idle: bool, since_trim: float) -> bool:
+    """Whether to trim the heap after a step of a stage whose forwards free large temporaries."""
+    return quantized_on_cpu and compute_idle and since_trim >= QUANTIZED_TRIM_EVERY
 
 
 def trim_due(freed: int, open_sessions: int, since_trim: float) -> bool:
@@ -79,10 +75,3 @@ def trim_due(freed: int, open_sessions: int, since_trim: float) -> bool:
     if not freed:
         return False
     return open_sessions == 0 or (freed >= TRIM_AFTER and since_trim >= TRIM_EVERY)
-
-
-def trim() -> None:
-    """Return the heap's free pages to the system. glibc keeps freed KV caches (grown by many small
-    reallocations) in its heap: RSS stayed near its peak after the sessions closed."""
-    if _TRIM is not None:
-        _TRIM(0)

@@ -19,7 +19,7 @@ import torch
 from p2pfusion.dht.records import DEFAULT_SESSION_LIMIT, ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError
-from p2pfusion.models.formats import WeightFormat, layer_sizes, weight_format
+from p2pfusion.models.formats import WeightFormat, layer_sizes, load_quantizer, weight_format
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_config, load_stage
 from p2pfusion.net import probe
@@ -55,6 +55,7 @@ class PeerOptions:
     max_layers: int | None = None
     backup: bool = False
     throughput: str = "auto"  # "auto" (cached benchmark), "eval" (measure again) or a number
+    decode_threads: str = "auto"  # "auto" (the benchmark's choice), "N" or "N:warm" (--decode-threads)
     device: str = "cpu"
     dtype: torch.dtype = torch.float32  # what the layers compute in
     quant: WeightFormat | None = None  # int8 or int4 weights (--quant); None: weights in `dtype`
@@ -123,12 +124,17 @@ class Peer:
         return [r for r in records if r.peer_id not in gone], gone
 
     def _benchmark(self) -> ComputeBenchmark:
-        given = self.options.throughput
+        options, given = self.options, self.options.throughput
         if given not in ("auto", "eval"):
-            threads = torch.get_num_threads()  # not measured: keep torch's own choice
-            return ComputeBenchmark(float(given), float(given), device_name(self.options.device), threads)
-        options = self.options
-        return compute_benchmark(options.source, options.device, options.dtype, options.quant, force=given == "eval")
+            # not measured: keep torch's own choice of threads
+            bench = ComputeBenchmark(float(given), float(given), device_name(options.device), torch.get_num_threads())
+        else:
+            bench = compute_benchmark(options.source, options.device, options.dtype, options.quant, force=given == "eval")
+        if options.decode_threads != "auto":
+            threads, _, warm = options.decode_threads.partition(":")
+            bench = replace(bench, decode_threads=int(threads), decode_warm=warm == "warm")
+            log.info("one-token steps on %s, as --decode-threads says", bench.decode.describe())
+        return bench
 
     @property
     def format(self) -> WeightFormat:
@@ -137,6 +143,7 @@ class Peer:
     def _layers_that_fit(self) -> int:
         """Layers this peer's budget holds in its format, read from the weights' headers."""
         options, mib = self.options, 1 << 20
+        load_quantizer(self.format)
         used = resident_bytes() if options.device == "cpu" else 0  # a GPU's budget is its own memory
         budget = options.max_memory
         if budget is None:
@@ -219,7 +226,7 @@ class Peer:
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
             stage, self.swarm.transport, self.links, self.directory, self._serving_limits(stage, free), self.num_layers,
-            self.options.session_limit, self.options.compression, bench.decode_threads, self.options.training_memory,
+            self.options.session_limit, self.options.compression, bench.decode, self.options.training_memory,
             metrics=self.metrics,
         )
         if self.options.train is not None:

@@ -75,6 +75,7 @@ class Scheduler:
         self._gathering: asyncio.TimerHandle | None = None
         self._batch_seconds = 0.0  # a batched forward's time, lately
         self._mates: dict[Hashable, frozenset] = {}  # an open session -> those it last ran a batch with
+        self._warming: threading.Event | None = None  # set to end the spin that keeps the compute thread warm
         self._order = itertools.count()
         self.stats = Stats()
         self.observe: Callable[[list[Pending], float], None] = lambda jobs, seconds: None  # each run (peer.metrics)
@@ -97,6 +98,19 @@ class Scheduler:
         """`runner([item, ...])`'s result for `item`, a step of session `member`, run with the other
         items of `key` that are ready at the same time (jobs of one key share one runner)."""
         return await self._submit(Pending(source, rows, next(self._order), key), item, runner, member)
+
+    def keep_warm(self, spin: Callable[[float, threading.Event], None], until: float) -> None:
+        """Spin on the compute thread until `until` (perf_counter), unless work arrives first:
+        jobs queue behind the spin, which ends as the first of them is dispatched."""
+        self.stop_warm()
+        if self.idle:
+            self._warming = threading.Event()
+            self._thread.submit(spin, until, self._warming)
+
+    def stop_warm(self) -> None:
+        if self._warming is not None:
+            self._warming.set()
+            self._warming = None
 
     def forget(self, member: Hashable) -> None:
         """A session ended: the sessions it ran with no longer wait for its steps."""
@@ -123,6 +137,7 @@ class Scheduler:
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
         if self._busy or not self._jobs:
             return
+        self.stop_warm()
         self._level_up({job.pending.source for job in self._jobs})
         chosen = next_batch([job.pending for job in self._jobs], self._used, self._after_prefill)
         batch = [self._jobs[i] for i in chosen]
@@ -185,5 +200,6 @@ class Scheduler:
         self._dispatch()
 
     def shutdown(self) -> None:
+        self.stop_warm()
         self._thread.shutdown(wait=True)
         self._bulk.shutdown(wait=True)

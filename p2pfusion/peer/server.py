@@ -28,17 +28,18 @@ from p2pfusion.net.framing import BadTensor, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
 from p2pfusion.net.transport import Transport
-from p2pfusion.peer import memory
 from p2pfusion.peer.admission import Reservation, refusal, vouched_origin
 from p2pfusion.peer.batching import fairness_unit
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
+from p2pfusion.peer.heap import HeapTrimmer
 from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits, token_bytes
 from p2pfusion.peer.metrics import StageMetrics
 from p2pfusion.peer.relay import relay, screen
 from p2pfusion.peer.session import Session
 from p2pfusion.peer.sinks import SUBSCRIBE_WAIT, ResultStreams
 from p2pfusion.peer.streams import error_for, send_quietly, step_of, write
+from p2pfusion.peer.threads import DecodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class StageServer:
         model_layers: int,
         session_limit: int = DEFAULT_SESSION_LIMIT,
         compression: Compression = AUTO,
-        decode_threads: int | None = None,
+        decode: DecodeSettings | None = None,
         training_memory: int = 1 << 30,
         *,
         metrics: StageMetrics,
@@ -74,9 +75,8 @@ class StageServer:
         self.sessions_opened = 0  # since start, for the peer's periodic report
         self.sessions: dict[str, Session] = {}
         self.results = ResultStreams()
-        self.compute = StageCompute(decode_threads, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
-        self._freed = 0  # bytes of sessions ended since the heap was last trimmed
-        self._trimmed = 0.0  # when it was, on the monotonic clock
+        self.compute = StageCompute(decode, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
+        self.heap = HeapTrimmer(lambda: self.compute.idle)
         self.draining = False
         self.training_run: str | None = None  # a training replica's run: it serves that run's micro-batches only
         self._backward_ran: Callable[[], None] = lambda: None
@@ -113,6 +113,7 @@ class StageServer:
 
     async def stop(self) -> None:
         await self.transport.remove_handler(m.PROTOCOL)
+        self.heap.close()
         self.compute.shutdown()
 
     async def drain(self, timeout: float) -> None:
@@ -250,10 +251,7 @@ class StageServer:
         if session.downstream is not None:
             await send_quietly(session.downstream, m.Close())
             session.downstream.close()
-        self._freed += session.reserved
-        if memory.trim_due(self._freed, len(self.sessions), time.monotonic() - self._trimmed):
-            self._freed, self._trimmed = 0, time.monotonic()
-            await asyncio.to_thread(memory.trim)
+        await self.heap.session_ended(session.reserved, len(self.sessions))
 
     async def _connect_onward(self, session: Session, msg: m.Open) -> None:
         if len(msg.route) == 1:
@@ -340,6 +338,7 @@ class StageServer:
         else:
             await write(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
         self.metrics.step(session, arrived, seconds, positions)
+        self.heap.step_done(self.stage.quantized_on_cpu)
         return True
 
     async def _on_params(self, session: Session, message: m.Params, flat: torch.Tensor | None, writer, arrived) -> bool:

@@ -20,8 +20,6 @@ norms computed once. A safety factor of 1.5 covers the rounding of the norms the
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -53,10 +51,6 @@ class ScreenedHead:
 
     def next_token(self, x: torch.Tensor) -> int | None:
         """argmax(weight @ x) for a float32 vector x, or None when only the full head can tell."""
-        with _one_thread():
-            return self._screen(x)
-
-    def _screen(self, x: torch.Tensor) -> int | None:
         d = x.shape[-1]
         x_norm = float(x.double().norm())
         if not math.isfinite(x_norm) or float(x.abs().max()) > FLOAT16_SAFE:
@@ -90,10 +84,9 @@ class ScreenedHead:
         head can tell). Many rows go as one float32 matrix product, which on a CPU costs less
         than screening them one by one (docs/benchmarks.md), and whose top two logits are kept
         only when no float32 summation order could swap them."""
-        with _one_thread():
-            # the vocabulary as the left operand: MKL's kernel for a few right-hand columns takes
-            # half the time of `linear`'s for 2 to 8 rows here (docs/benchmarks.md)
-            logits = (self.weight @ x.T).T
+        # the vocabulary as the left operand: MKL's kernel for a few right-hand columns takes
+        # half the time of `linear`'s for 2 to 8 rows here (docs/benchmarks.md)
+        logits = (self.weight @ x.T).T
         top = torch.topk(logits, 2, dim=1)
         g = summation_error(x.shape[-1])
         tokens: list[int | None] = []
@@ -103,21 +96,6 @@ class ScreenedHead:
             sure = math.isfinite(values[0]) and math.isfinite(values[1]) and values[0] - values[1] > tie
             tokens.append(indices[0] if sure else None)
         return tokens
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    """The client idles while the swarm computes; after that, a second OpenMP thread took 6-10 ms
-    to start on this project's VMs (a sleeping vCPU waits for its host), against ~3 ms for the
-    whole screen on one thread (docs/benchmarks.md)."""
-    threads = torch.get_num_threads()
-    if threads != 1:
-        torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        if threads != 1:
-            torch.set_num_threads(threads)
 
 
 def screened_head(model: nn.Module) -> ScreenedHead | None:
