@@ -12,7 +12,8 @@ import uvloop
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.greedy import TRIALS, HeadThreads, faster_threads
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.peer.threads import DecodeSettings, StepCost, choose_decode_settings, thread_options
+from p2pfusion.peer.compute import StageCompute
+from p2pfusion.peer.threads import DecodeSettings, StepCost, choose_decode_settings, shares_host, thread_options
 from tests.conftest import reference_model
 from tests.swarm import running_peers
 
@@ -66,6 +67,26 @@ def test_the_policy_needs_measurements_and_offers_every_power_of_two():
     assert thread_options(2) == [1, 2]
     assert thread_options(6) == [1, 2, 4, 6]
     assert thread_options(16) == [1, 2, 4, 8, 16]
+
+
+def test_a_peer_stops_spinning_while_another_peer_serves_from_its_machine():
+    mine = ["192.168.1.11:40001", "127.0.0.1:40001"]
+    assert shares_host(mine, [["10.0.0.2:40002"], ["192.168.1.11:40002"]])
+    assert not shares_host(mine, [["10.0.0.2:40002"], ["192.168.1.12:40001"]])
+    assert shares_host(["[::1]:40001"], [["[::1]:40002"]])
+    assert not shares_host(mine, [])
+    compute = StageCompute(DecodeSettings(2, True), 1 << 20)
+    try:
+        assert compute.warm
+        compute.share_host(True)
+        assert not compute.warm
+        compute.share_host(False)
+        assert compute.warm
+    finally:
+        compute.shutdown()
+    alone = StageCompute(DecodeSettings(1, True), 1 << 20)
+    assert not alone.warm  # one thread has nothing to keep awake
+    alone.shutdown()
 
 
 IDS = [3, 17, 42, 99, 5]

@@ -4,6 +4,7 @@ chunks, backward passes, and the memory training sessions keep between them."""
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +14,8 @@ import torch
 from p2pfusion.peer.scheduler import Scheduler, Stats
 from p2pfusion.peer.session import Session, StepInputs
 from p2pfusion.peer.threads import DecodeSettings
+
+log = logging.getLogger(__name__)
 
 SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
 PREFILL_CHUNK = 256  # positions per chunk of a prefill when no other session waits on this peer
@@ -47,6 +50,7 @@ class StageCompute:
         self._all_threads = torch.get_num_threads()
         self._decode_threads = decode.threads if decode else self._all_threads
         self._warm = decode is not None and decode.warm and self._decode_threads > 1
+        self._shares_host = False  # other peers compute on this machine's cores (peer/upkeep.py)
         self._small_done: float | None = None  # when the last small step ended
         self._gap = LONGEST_WARM / 2  # between a small step's end and the next one's start, lately
         self.prefill_chunk = prefill_chunk
@@ -60,6 +64,19 @@ class StageCompute:
     @property
     def stats(self) -> Stats:
         return self.scheduler.stats
+
+    @property
+    def warm(self) -> bool:
+        """Whether small steps keep the compute thread's threads spinning until the next one."""
+        return self._warm and not self._shares_host
+
+    def share_host(self, shared: bool) -> None:
+        if shared != self._shares_host and self._warm:
+            log.info("%s: one-token steps %s", "another peer serves from this machine" if shared
+                     else "no other peer serves from this machine", "no longer spin" if shared else "spin again")
+        self._shares_host = shared
+        if shared:
+            self.scheduler.stop_warm()
 
     @property
     def idle(self) -> bool:
@@ -89,7 +106,7 @@ class StageCompute:
                 a = b
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         done = time.perf_counter()
-        if small and self._warm:
+        if small and self.warm:
             self._small_done = done
             self.scheduler.keep_warm(functools.partial(spin, self._decode_threads), done + min(LONGEST_WARM, 2 * self._gap))
         return out, done - t0
@@ -135,7 +152,7 @@ class StageCompute:
         while no other session is open: the loop must stay free to queue their steps, which then
         run as one batch. Never while kept warm: the warm threads are the compute thread's."""
         return (
-            not self._warm and not session.training and self.scheduler.idle and rows <= SMALL_STEP_ROWS
+            not self.warm and not session.training and self.scheduler.idle and rows <= SMALL_STEP_ROWS
             and not self._shared()
         )
 

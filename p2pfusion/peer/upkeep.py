@@ -5,7 +5,8 @@
 - Load (every second): re-announce at once when what it holds moved a lot (`load_moved`), at
   most every EARLY_GAP seconds, so that a burst of new sessions spreads over the stage's peers.
 - Watch (every few seconds): a backup promotes itself when its stage loses a peer; a serving peer
-  moves to close a gap in coverage that nobody else closes.
+  moves to close a gap in coverage that nobody else closes; a peer kept warm stops spinning while
+  another peer serves from its machine.
 - Report (every minute): one INFO line for the peer's operator on what it served lately.
 - Heal (every 15 s): ping the known peers that the DHT's routing table lost (`SwarmNode.heal`),
   so that a node whose table emptied (after a flood, say) does not stay cut off from the swarm.
@@ -34,6 +35,7 @@ from p2pfusion.peer.limits import token_bytes
 from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.peer.runtime import Peer
 from p2pfusion.peer.server import StageServer
+from p2pfusion.peer.threads import shares_host
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,9 @@ class Upkeep:
     async def watch(self) -> None:
         records, gone = await self._snapshot()
         mine = self.peer.record
+        if self.peer.server is not None:
+            others = [r.data_addrs for r in records if r.peer_id != mine.peer_id and r.peer_id not in gone]
+            self.peer.server.compute.share_host(shares_host(mine.data_addrs, others))
         if mine.state == PeerState.BACKUP:
             await self._watch_stage(records, gone)
         elif mine.state == PeerState.ONLINE and unguarded_gap(records, self.peer.num_layers):
