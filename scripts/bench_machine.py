@@ -37,10 +37,7 @@ def machine_header(gap: float = IDLE_GAP) -> str:
     by = {(c.threads, c.warm): c for c in costs}
     chosen = choose_decode_settings(costs)
     mine = by[chosen.threads, chosen.warm]
-    steps = "; ".join(
-        f"{c.threads} thread{'s' if c.threads > 1 else ''}{' warm' if c.warm else ''} "
-        f"{c.back_to_back * 1000:.1f} / {c.after_idle * 1000:.1f} ms" for c in costs
-    )
+    steps = "; ".join(c.describe() for c in costs)
     ratio = by[threads, False].back_to_back / by[1, False].back_to_back
     return "\n".join([
         f"machine: {device_name('cpu')}, {os.cpu_count()} cores ({usable} usable), torch threads {threads}, "

@@ -49,7 +49,6 @@ class ComputeBenchmark:
     # fastest here after an idle gap like a pipeline's (peer/threads.py)
     decode_threads: int
     decode_warm: bool = False
-    idle_cost: float = 1.0  # the chosen setting's step after an idle gap over its step back to back
 
     @property
     def decode(self) -> DecodeSettings:
@@ -143,12 +142,11 @@ def measure_compute(source: ModelSource, device: str, dtype: torch.dtype, quant:
             bar.update(1)
     chosen = choose_decode_settings(costs)
     log.info("one-token steps through %d layers, back to back / after %.0f ms idle: %s", layers, IDLE_GAP * 1000,
-             "; ".join(f"{c.threads} thread{'s' if c.threads > 1 else ''}{' warm' if c.warm else ''} "
-                       f"{c.back_to_back * 1000:.2f} / {c.after_idle * 1000:.2f} ms" for c in costs))
+             "; ".join(c.describe() for c in costs))
     cost = next(c for c in costs if (c.threads, c.warm) == (chosen.threads, chosen.warm))
     return ComputeBenchmark(
         layers / cost.after_idle, layers * BATCH_TOKENS / min(batch_times), device_name(device),
-        chosen.threads, chosen.warm, cost.after_idle / cost.back_to_back,
+        chosen.threads, chosen.warm,
     )
 
 

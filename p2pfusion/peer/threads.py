@@ -26,6 +26,10 @@ class StepCost:
     back_to_back: float
     after_idle: float
 
+    def describe(self) -> str:
+        setting = f"{self.threads} thread{'s' if self.threads > 1 else ''}{' warm' if self.warm else ''}"
+        return f"{setting} {self.back_to_back * 1000:.2f} / {self.after_idle * 1000:.2f} ms"
+
 
 @dataclass(frozen=True)
 class DecodeSettings:

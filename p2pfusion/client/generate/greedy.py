@@ -116,7 +116,8 @@ class HeadBatcher:
     def _screened(self, last: torch.Tensor) -> list[int | None]:
         rows, previous = last.shape[0], torch.get_num_threads()
         threads = self.threads.threads(rows)
-        torch.set_num_threads(threads)
+        if threads != previous:
+            torch.set_num_threads(threads)
         try:
             started = time.perf_counter()
             normed = self.norm(last)[:, -1]
@@ -127,4 +128,5 @@ class HeadBatcher:
             self.threads.timed(rows, threads, time.perf_counter() - started)
             return tokens
         finally:
-            torch.set_num_threads(previous)
+            if threads != previous:
+                torch.set_num_threads(previous)
