@@ -159,6 +159,8 @@ def test_swarm_missing_layers_are_named(default_model):
     (["run-peer", "--max-memory", "0"], "argument --max-memory: expected a positive number of GiB, got '0'"),
     (["run-peer", "--max-memory", "lots"], "argument --max-memory: expected GiB as a number, e.g. 1.5; got 'lots'"),
     (["run-peer", "--quant", "int2"], "argument --quant: invalid choice: 'int2'"),
+    (["run-peer", "--decode-threads", "1:warm"], "argument --decode-threads: expected auto, N (at least 1) or N:warm"),
+    (["run-peer", "--decode-threads", "0"], "argument --decode-threads: expected auto, N (at least 1) or N:warm"),
     (["run-peer", "--train", "my run"], "argument --train: a run name is 1 to 64 letters"),
     (["infer", "--min-precision", "fp8"], "argument --min-precision: invalid choice: 'fp8'"),
     (["chat", "--exact", "--min-precision", "int8"], "argument --min-precision: not allowed with argument --exact"),

@@ -82,11 +82,12 @@ def throughput(text: str) -> str:
 
 
 def decode_threads(text: str) -> str:
-    """auto, N (threads for one-token steps) or N:warm (and spinning between a session's steps)."""
+    """auto, N (threads for one-token steps) or N:warm (and spinning between a session's steps:
+    only a second thread has anything to keep awake)."""
     count, _, warm = text.partition(":")
-    if text == "auto" or (count.isdigit() and int(count) > 0 and warm in ("", "warm")):
+    if text == "auto" or (count.isdigit() and int(count) >= (2 if warm else 1) and warm in ("", "warm")):
         return text
-    raise argparse.ArgumentTypeError(f"expected auto, N or N:warm (N threads, at least 1), got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected auto, N (at least 1) or N:warm (at least 2), got {text!r}")
 
 
 def gibibytes(text: str) -> int:
