@@ -15,6 +15,7 @@ _EXPORTS = {
     "SwarmLMSync": "p2pfusion.client.generate.swarm_lm",
     "TokenStream": "p2pfusion.client.generate.swarm_lm",
     "Piece": "p2pfusion.client.generate.swarm_lm",
+    "Correction": "p2pfusion.client.generate.swarm_lm",
     "Generated": "p2pfusion.client.generate.conversation",
     "Conversation": "p2pfusion.client.generate.conversation",
     "RemoteCausalLM": "p2pfusion.client.generate.causal_lm",

@@ -23,8 +23,12 @@ from p2pfusion.errors import RequestError
 from p2pfusion.models.stage import load_stage
 
 
-def record(peer: str, start: int, end: int, rate: float = 100.0, state=PeerState.ONLINE) -> PeerRecord:
-    return PeerRecord("m", peer, [], start, end, state, compute_rate=rate, network_rate=None, device="cpu")
+def record(
+    peer: str, start: int, end: int, rate: float = 100.0, state=PeerState.ONLINE, weights: str = "float32"
+) -> PeerRecord:
+    return PeerRecord(
+        "m", peer, [], start, end, state, compute_rate=rate, network_rate=None, device="cpu", weights=weights
+    )
 
 
 def report(accused: str) -> FaultReport:
@@ -88,6 +92,19 @@ def test_alternative_route_reuses_as_few_peers_as_it_can():
     route = alternative_route(records[:3], 4, primary={"A", "B"})
     assert [r.peer_id for r in route] == ["C", "B"] and unchecked_layers(route, {"A", "B"}) == [(2, 4)]
     assert alternative_route(records[:3], 4, primary={"A", "B"}, avoid={"B"}) is None
+
+
+def test_a_checking_route_takes_the_most_precise_formats_that_reuse_as_few_peers():
+    """A faster int4 peer would set an int4 bar for the whole check: a float32 one is taken instead,
+    unless only the int4 one avoids reusing a checked peer."""
+    records = [
+        record("A", 0, 2), record("B", 2, 4), record("Q", 0, 2, rate=1000.0, weights="int4"), record("F", 0, 2),
+        record("D", 2, 4, weights="int8"),
+    ]
+    assert [r.peer_id for r in alternative_route(records, 4, primary={"A", "B"})] == ["F", "D"]
+    route = alternative_route(records, 4, primary={"A", "B"}, avoid={"F"})
+    assert [r.peer_id for r in route] == ["Q", "D"]  # reusing A would leave 0:2 unchecked
+    assert [r.peer_id for r in witness_chain(records, 0, 2, avoid={"A"})] == ["F"]
 
 
 def test_witness_chain_covers_exactly_the_hop():

@@ -27,7 +27,7 @@ from sse_starlette import EventSourceResponse
 from p2pfusion.api import schemas
 from p2pfusion.api.errors import APIError, from_core, unknown_model, unsupported
 from p2pfusion.client.generate.conversation import Generated
-from p2pfusion.client.generate.swarm_lm import GenerationRequest, Piece, SwarmLM, TokenStream
+from p2pfusion.client.generate.swarm_lm import Correction, GenerationRequest, Piece, SwarmLM, TokenStream
 from p2pfusion.errors import P2PFusionError
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,7 @@ class Completions:
             request = lm.request(
                 ids, max_tokens, 1.0 if body.temperature is None else body.temperature, body.seed,
                 top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops,
+                hold_until_checked=body.hold_until_checked,
             )
         except TemplateError as exc:  # the model's chat template refuses these messages
             raise APIError(400, f"the model's chat template refused the messages: {exc}", param=param) from exc
@@ -139,16 +140,20 @@ class Completions:
         choice = schemas.CompletionChoice(text=result.text, finish_reason=finish)
         return schemas.Completion(id=job.id, created=job.created, model=self.names[0], choices=[choice], usage=usage)
 
-    async def _events(self, job: Job, stream: TokenStream, first: Piece | None) -> AsyncIterator[dict]:
+    async def _events(self, job: Job, stream: TokenStream, first: Piece | Correction | None) -> AsyncIterator[dict]:
         """The stream's events, as OpenAI sends them: (for chats) the role first, then each piece of
-        text, then the finish reason, the usage if asked for, and `[DONE]`."""
+        text, then the finish reason, the usage if asked for, and `[DONE]`. A correction is a chunk
+        of its own, with no text and a `correction` object (schemas.StreamCorrection)."""
         sent, ended = "", False
         try:
             if job.chat:
                 yield self._chunk(job, schemas.Delta(role="assistant", content=""))
             piece = first
             while piece is not None:
-                if piece.text:
+                if isinstance(piece, Correction):
+                    sent = piece.text
+                    yield self._correction(job, piece)
+                elif piece.text:
                     sent += piece.text
                     yield self._chunk(job, piece.text)
                 piece = await anext(stream, None)
@@ -183,6 +188,17 @@ class Completions:
         else:
             choices = [] if text is None else [schemas.CompletionChoice(text=text, finish_reason=finish)]
             chunk = schemas.Completion(choices=choices, **common)
+        return {"data": chunk.model_dump_json()}
+
+    def _correction(self, job: Job, correction: Correction) -> dict:
+        common = dict(id=job.id, created=job.created, model=self.names[0])
+        fix = schemas.StreamCorrection(kept_characters=len(correction.text), kept_tokens=correction.tokens)
+        if job.chat:
+            choices = [schemas.ChatChunkChoice(delta=schemas.Delta())]
+            chunk: BaseModel = schemas.ChatCompletionCorrection(choices=choices, correction=fix, **common)
+        else:
+            chunk = schemas.CompletionCorrection(choices=[schemas.CompletionChoice(text="")], correction=fix, **common)
+        log.warning("%s: verification withdrew streamed text after %d characters", job.id, fix.kept_characters)
         return {"data": chunk.model_dump_json()}
 
     def _finish(self, request: GenerationRequest, result: Generated) -> str:

@@ -37,6 +37,8 @@ class SamplingRequest(BaseModel):
     n: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # p2pfusion's own: stream only text whose results verification checked, so no correction comes
+    hold_until_checked: bool = False
 
     def unsupported(self) -> tuple[str, str] | None:
         """(parameter, why) of the first parameter set to something this server cannot do."""
@@ -182,6 +184,20 @@ class ChatCompletionChunk(Answer):
     choices: list[ChatChunkChoice]
 
 
+class StreamCorrection(BaseModel):
+    """Verification found results behind text already streamed wrong: only the first
+    `kept_characters` of the text streamed so far (`kept_tokens` tokens) stand; corrected text
+    follows in the next chunks."""
+
+    index: int = 0
+    kept_characters: int
+    kept_tokens: int
+
+
+class ChatCompletionCorrection(ChatCompletionChunk):
+    correction: StreamCorrection
+
+
 class CompletionChoice(BaseModel):
     text: str
     index: int = 0
@@ -194,6 +210,10 @@ class Completion(Answer):
 
     object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
+
+
+class CompletionCorrection(Completion):
+    correction: StreamCorrection
 
 
 class Coverage(BaseModel):

@@ -21,7 +21,7 @@ from typing import TextIO
 
 import torch
 
-from p2pfusion.cli.commands import StreamingDecoder, client_model
+from p2pfusion.cli.commands import StreamingDecoder, client_model, holds
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.conversation import Conversation, Generated
 from p2pfusion.client.loop import BackgroundLoop
@@ -43,6 +43,7 @@ class Chat:
         temperature: float = 0.0,
         seed: int | None = None,
         system: str | None = None,
+        hold: bool = False,
     ):
         self.model = model
         self.loop = loop
@@ -50,6 +51,7 @@ class Chat:
         self.temperature = temperature
         self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
         self.system = system
+        self.hold = hold  # print only text whose results are checked
         self.conversation = Conversation(model)
         self.messages: list[dict[str, str]] = self._first_messages()
         self.length = 0  # tokens of the conversation so far, the last reply's included
@@ -63,13 +65,15 @@ class Chat:
         self.messages, self.length = self._first_messages(), 0
         self.loop.run(self.conversation.close())
 
-    def say(self, text: str, on_token) -> Generated:
-        """The assistant's reply to `text`, streamed through `on_token` (called on the loop's thread)."""
+    def say(self, text: str, on_token, on_rewind=None) -> Generated:
+        """The assistant's reply to `text`, streamed through `on_token` and corrected through
+        `on_rewind` (Conversation.generate; both called on the loop's thread)."""
         messages = [*self.messages, {"role": "user", "content": text}]
         ids = self.model.chat_ids(messages)
         self.stopping.clear()
         reply = self.conversation.generate(
-            ids, self.max_new_tokens, self.temperature, self.generator, on_token, stop=self.stopping.is_set
+            ids, self.max_new_tokens, self.temperature, self.generator, on_token, stop=self.stopping.is_set,
+            on_rewind=on_rewind, hold=self.hold,
         )
         future = asyncio.run_coroutine_threadsafe(reply, self.loop.loop)
         while True:
@@ -104,7 +108,7 @@ def run_chat(chat: Chat, lines: Iterable[str], out: TextIO) -> None:
             continue
         decoder = StreamingDecoder(chat.model.tokenizer, out)
         try:
-            chat.say(text, decoder.push)
+            chat.say(text, decoder.push, decoder.rewind)
         except RequestError as exc:
             print(f"p2pfusion: {exc}; /reset starts a new conversation", file=sys.stderr)
             continue
@@ -140,7 +144,9 @@ def chat(args, started: float) -> None:
     loop = BackgroundLoop("p2pfusion-chat")
     try:
         loop.run(model.core.join(args.initial_peers))
-        session = Chat(model, loop, args.max_new_tokens, args.temperature, args.seed, args.system)
+        session = Chat(
+            model, loop, args.max_new_tokens, args.temperature, args.seed, args.system, holds(args, sys.stdout)
+        )
         try:
             if sys.stdin.isatty():
                 print(HELP, file=sys.stderr)

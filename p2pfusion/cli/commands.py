@@ -119,7 +119,10 @@ async def infer(args, started: float) -> None:
     await model.core.join(args.initial_peers)
     try:
         decoder = StreamingDecoder(model.tokenizer)
-        result = await model.generate(ids, args.max_new_tokens, args.temperature, args.seed, decoder.push)
+        result = await model.generate(
+            ids, args.max_new_tokens, args.temperature, args.seed, decoder.push, on_rewind=decoder.rewind,
+            hold=holds(args, decoder.out),
+        )
         decoder.finish()
     finally:
         await model.core.leave()
@@ -161,10 +164,17 @@ async def serve_api(
         await lm.close()
 
 
+def holds(args, out: TextIO) -> bool:
+    """Whether to print only checked text: when asked to, and when the text goes to a file or a
+    pipe, which keep whatever was printed."""
+    return args.hold_until_checked or not out.isatty()
+
+
 class StreamingDecoder:
     """Print text as tokens arrive, without splitting multi-byte characters."""
 
     def __init__(self, tokenizer, out: TextIO | None = None):
+        self.tokenizer = tokenizer
         self.pieces = TextPieces(tokenizer)
         self.out = out or sys.stdout
 
@@ -173,6 +183,17 @@ class StreamingDecoder:
         if added:
             self.out.write(added)
             self.out.flush()
+
+    def rewind(self, kept: int) -> None:
+        """Verification withdrew the tokens after the first `kept`: say so, and print the text that
+        stands again, on a line of its own; the corrected tokens follow it."""
+        tokens, self.pieces = self.pieces.tokens[:kept], TextPieces(self.tokenizer)
+        text = "".join(self.pieces.add(token) for token in tokens)
+        self.out.write("\n")
+        self.out.flush()
+        print("p2pfusion: a peer's results behind the text above failed verification; corrected:", file=sys.stderr)
+        self.out.write(text)
+        self.out.flush()
 
     def finish(self) -> None:
         self.out.write(self.pieces.rest() + "\n")

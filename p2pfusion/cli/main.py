@@ -86,6 +86,11 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     command.add_argument("--seed", type=whole_number(0), metavar="N", help="seed of the sampler (with --temperature)")
     command.add_argument("--compression", **COMPRESSION)
     command.add_argument("--verify", **VERIFY)
+    command.add_argument(
+        "--hold-until-checked", action="store_true",
+        help="print only text whose results verification checked (the default when stdout is not a terminal); "
+        "otherwise text prints at once, and a failed check prints a notice and the corrected text",
+    )
     command.add_argument("--adapter", type=Path, metavar="PATH", help="a trained adapter (PEFT format) to generate with")
     command.add_argument("--swarm-secret", **SWARM_SECRET)
     command.add_argument("--trusted-peers", **TRUSTED_PEERS)

@@ -146,7 +146,8 @@ COMPRESSION = dict(
 
 VERIFY = dict(
     type=probability, default=0.05, metavar="RATE",
-    help="chance that a step's results are checked against other peers (0: never); a generation's end always is",
+    help="chance that a step's results are checked against other peers, beside the generation (0: never); "
+    "a generation's end always is",
 )
 
 

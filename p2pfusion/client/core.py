@@ -15,6 +15,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
+import torch
+
 from p2pfusion.client.checks.distrust import Distrust
 from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.client.options import ClientOptions
@@ -125,7 +127,13 @@ class ClientCore:
         """What checks a session's results (None with verification off)."""
         if self.options.verify <= 0:
             return None
-        return Verifier(session, self.distrust, self.source, self.options.verify, self.options.dtype)
+        return Verifier(session, self.distrust, self.source, self.options.verify, self.options.dtype, self.greedy_tokens)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy token after each position of final hidden states [batch, tokens, hidden]; safe
+        to call from another thread."""
+        with torch.inference_mode():
+            return self.head(inputs_embeds=hidden.to(self.options.dtype)).logits.argmax(dim=-1)
 
     async def longest_session(self, first: int = 0) -> int:
         """The longest sequence a session from layer `first` can hold now (soft prompt included):

@@ -32,13 +32,25 @@ TRIM_EVERY = 10.0
 # into a temporary, and glibc kept about 300 MiB of them (a quarter of the weights of a 400M int8
 # stage) until a trim (docs/benchmarks.md); a trim takes 10-20 ms, so it runs only while the compute is idle
 QUANTIZED_TRIM_EVERY = 2.0
+DEQUANTIZED_LAYERS = 4  # float32 layers' worth of dequantized temporaries a quantized CPU stage holds at its peak
 
 
-def layers_that_fit(budget: int, used: int, layer_bytes: int, kv_token_bytes: int, session_limit: int) -> int:
+def layers_that_fit(
+    budget: int, used: int, layer_bytes: int, kv_token_bytes: int, session_limit: int, temporaries: int = 0
+) -> int:
     """Layers of `layer_bytes` each (with their KV reserve) that fit in `budget` bytes, `used`
-    of which the peer already holds; its sessions are at most `session_limit` tokens long."""
+    of which the peer already holds; its sessions are at most `session_limit` tokens long, and its
+    forwards' temporaries take `temporaries` bytes beside the serving reserve."""
     reserve = min(KV_RESERVE_TOKENS, session_limit) * kv_token_bytes
-    return max(budget - used - SERVING_RESERVE, 0) // (layer_bytes + reserve)
+    return max(budget - used - SERVING_RESERVE - temporaries, 0) // (layer_bytes + reserve)
+
+
+def dequantized_temporaries(float32_layer_bytes: int) -> int:
+    """What a quantized stage on CPU holds for its forwards' dequantized weights: each forward
+    dequantizes a layer's weights into temporaries, and the threads' heaps keep several layers'
+    worth of them (a 0:24 int8 peer of the 400M model, whose plan left 100 MiB spare under a
+    1 GiB budget, peaked 10-270 MiB over it in some runs: up to about 4 of its 64 MiB float32 layers)."""
+    return DEQUANTIZED_LAYERS * float32_layer_bytes
 
 
 def default_budget(free: int, used: int) -> int:

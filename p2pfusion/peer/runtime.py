@@ -33,7 +33,9 @@ from p2pfusion.peer.admission import Budget
 from p2pfusion.peer.benchmark import ComputeBenchmark, compute_benchmark, device_name, free_memory
 from p2pfusion.peer.directory import HopDirectory
 from p2pfusion.peer.limits import FIRST_FRAME_TIMEOUT, IDLE_TIMEOUT, ServingLimits, layers_token_bytes
-from p2pfusion.peer.memory import KV_RESERVE_TOKENS, default_budget, default_cache_memory, layers_that_fit, resident_bytes
+from p2pfusion.peer.memory import (
+    KV_RESERVE_TOKENS, default_budget, default_cache_memory, dequantized_temporaries, layers_that_fit, resident_bytes,
+)
 from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.server import StageServer
 from p2pfusion.peer.run_service import ReplicaService, join_run
@@ -152,14 +154,21 @@ class Peer:
         if options.train is not None:  # weights, their gradients, AdamW's two moments, outer weights and momentum
             layer *= TRAINING_COPIES
         kv = layers_token_bytes(self.config, 1, options.dtype)
-        fit = min(layers_that_fit(budget, used, layer, kv, options.session_limit), self.num_layers)
+        temporaries = 0
+        if options.quant is not None and options.device == "cpu":
+            float32 = max(layer_sizes(options.source.folder, self.num_layers, WeightFormat.FLOAT32, torch.float32))
+            temporaries = dequantized_temporaries(float32)
+        fit = min(layers_that_fit(budget, used, layer, kv, options.session_limit, temporaries), self.num_layers)
         if fit < 1:
             raise ModelError(
                 f"{budget / mib:.0f} MiB of memory cannot hold one layer of {options.source.name} in {self.format.value} "
                 f"({layer / mib:.0f} MiB, and {KV_RESERVE_TOKENS} tokens of KV cache), with {used / mib:.0f} MiB "
                 "already in use: raise --max-memory or choose a smaller --quant"
             )
-        log.info("%d layers of %.0f MiB (%s) fit in %.0f MiB", fit, layer / mib, self.format.value, budget / mib)
+        log.info(
+            "%d layers of %.0f MiB (%s) fit in %.0f MiB%s", fit, layer / mib, self.format.value, budget / mib,
+            f", with {temporaries / mib:.0f} MiB for dequantized temporaries" if temporaries else "",
+        )
         return fit
 
     async def _measure_links(self, records: list[PeerRecord]) -> tuple[float | None, float | None]:

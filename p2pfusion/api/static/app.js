@@ -131,6 +131,7 @@ async function send(event) {
   let first = null; // when the first piece of text came
   let usage = null;
   let note = "";
+  let corrections = 0;
   try {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
@@ -148,6 +149,12 @@ async function send(event) {
       const chunk = JSON.parse(data);
       if (chunk.error) throw new Error(chunk.error.message || JSON.stringify(chunk.error));
       if (chunk.usage) usage = chunk.usage;
+      if (chunk.correction) {
+        // verification found the results behind the end of this reply wrong: it goes, corrected text follows
+        text.textContent = text.textContent.slice(0, chunk.correction.kept_characters);
+        corrections += 1;
+        continue;
+      }
       const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
       if (delta && delta.content) {
         text.textContent += delta.content;
@@ -156,6 +163,10 @@ async function send(event) {
       }
     }
     note = replyStats(started, first, performance.now(), usage);
+    if (corrections) {
+      const times = corrections === 1 ? "once" : `${corrections} times`;
+      box.append(el("div", { class: "meta warning", text: `corrected ${times}: a peer's results failed verification, and the text after that point was computed again` }));
+    }
   } catch (error) {
     if (error.name === "AbortError") note = "stopped";
     else box.append(el("div", { class: "meta error", text: String(error.message || error) }));

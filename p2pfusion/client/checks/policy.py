@@ -30,11 +30,17 @@ MIN_REPORTERS = 2  # distinct clients whose fault reports make others distrust a
 # compute on one hop 2.5e-2. Each bar is those figures with a margin of 6x to 80x.
 COMPUTE_TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 0.2}
 # The same per weight format of the peers (scripts/bench_formats.py, all 30 layers in the format
-# against float32): bfloat16 8.2e-2, float16 7.8e-3, int8 1.0e-1, int4 0.77. Routes are compared
-# with the bar of the least precise format among the swarm's peers. Against int4 peers that bar
-# catches only gross lies (noise, zeros, another model's states).
+# against float32): bfloat16 8.2e-2, float16 7.8e-3, int8 1.0e-1, int4 0.77. Two routes are
+# compared with the bar of the least precise format among their own peers. Against int4 peers that
+# bar catches only gross lies (noise, zeros, another model's states); the greedy tokens the
+# client's head reads from both routes are compared too (client/checks/verifier.py).
 FORMAT_TOLERANCE = {"float32": 2e-4, "float16": 5e-2, "bfloat16": 0.2, "int8": 0.3, "int4": 2.0}
 WIRE_TOLERANCE = {Codec.NONE: 0.0, Codec.FLOAT16: 2e-2, Codec.BFLOAT16: 5e-2, Codec.INT8: 0.1, Codec.TOPK: math.inf}
+# Below this relative error between two routes' final states at a position, the greedy tokens
+# they give are not compared: honest float32 routes differ by about 2.5e-6, and the least change
+# that flipped a decode step's greedy token on the default model was 5.3e-3 of the state's norm
+# (scripts/bench_verify.py, "token nudge"); float16 rounding alone is 5e-4.
+FLIP_FLOOR = 1e-4
 # One hop's output is compared with a tighter bar: what a hop adds, later layers amplify (noise
 # of 1e-4 on a middle hop's output reached the last hop's as 4.6e-4).
 HOP_SHARE = 0.25
@@ -129,6 +135,23 @@ def _best_chain(
     return best[start][3] if start in best else None
 
 
+def _most_precise_chain(
+    candidates: list[PeerRecord], start: int, end: int, observed: dict[str, float], reused: Collection[str]
+) -> list[PeerRecord] | None:
+    """`_best_chain`, preferring among chains that reuse equally few peers the one whose least
+    precise weight format is the most precise: a check's bar is that of the formats it compares,
+    so a chain through one int4 peer would check everything else at int4's bar."""
+    best: tuple[int, float, list[PeerRecord]] | None = None
+    for bar in sorted({FORMAT_TOLERANCE.get(r.weights, math.inf) for r in candidates}):
+        within = [r for r in candidates if FORMAT_TOLERANCE.get(r.weights, math.inf) <= bar]
+        chain = _best_chain(within, start, end, observed, reused)
+        if chain is not None:
+            option = (sum(r.peer_id in reused for r in chain), bar, chain)
+            if best is None or option[:2] < best[:2]:
+                best = option
+    return None if best is None else best[2]
+
+
 def alternative_route(
     records: list[PeerRecord],
     num_layers: int,
@@ -140,9 +163,9 @@ def alternative_route(
 ) -> list[PeerRecord] | None:
     """A route from layer `first` for checking one that used the peers `primary`: it reuses as few
     of them as the swarm allows (warm backups welcome), so only the layers of the reused ones go
-    unchecked. None: no route."""
+    unchecked, and among those it takes the most precise formats. None: no route."""
     candidates = [r for r in usable(records, avoid, backups=True, length=length) if r.end <= num_layers]
-    return _best_chain(candidates, first, num_layers, observed or {}, set(primary))
+    return _most_precise_chain(candidates, first, num_layers, observed or {}, set(primary))
 
 
 def witness_chain(
@@ -153,9 +176,10 @@ def witness_chain(
     observed: dict[str, float] | None = None,
     length: int = 0,
 ) -> list[PeerRecord] | None:
-    """Other peers that together compute exactly layers [start, end), none of them in `avoid`."""
+    """Other peers that together compute exactly layers [start, end), none of them in `avoid`, of
+    the most precise formats that can."""
     candidates = [r for r in usable(records, avoid, backups=True, length=length) if r.end <= end]
-    return _best_chain(candidates, start, end, observed or {}, ())
+    return _most_precise_chain(candidates, start, end, observed or {}, ())
 
 
 def unchecked_layers(route: list[PeerRecord], primary: Collection[str]) -> list[tuple[int, int]]:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from p2pfusion.client.checks.policy import MAX_REWINDS
+from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.client.core import ClientCore
 from p2pfusion.client.generate.conversation import Conversation, Generated
 from p2pfusion.client.generate.greedy import HeadBatcher
@@ -25,7 +27,7 @@ from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.client.tune.adapter import Adapter
 from p2pfusion.client.tune.steps import TuningSession
-from p2pfusion.errors import PromptTooLong, RequestError
+from p2pfusion.errors import PromptTooLong, RequestError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.net.compression import Purpose
@@ -125,17 +127,35 @@ class RemoteCausalLM:
             await session.close()
 
     async def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits of a batch of sequences [batch, tokens], as the local model's forward gives them."""
+        """Logits of a batch of sequences [batch, tokens], as the local model's forward gives them;
+        checked against another route at the client's verification rate."""
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise RequestError(f"input_ids must have shape [batch, tokens], got {list(input_ids.shape)}")
         local = await self.local.run(self.adapter)
         session = await self.open_session(input_ids.shape[1], first=local.first)
+        verifier = self.core.verifier(session)
         try:
             with torch.inference_mode():
                 hidden = self.head.get_input_embeddings()(input_ids).to(self.core.options.dtype)
-            return self.logits(await session.step(await local.step(hidden)))
+            return self.logits(await self._checked_pass(session, verifier, await local.step(hidden)))
         finally:
+            if verifier is not None:
+                await verifier.close()
             await session.close()
+
+    @staticmethod
+    async def _checked_pass(session: ResilientSession, verifier: Verifier | None, hidden: torch.Tensor) -> torch.Tensor:
+        """One pass of `hidden` through the session, checked against another route at the
+        verifier's rate, and computed again on a route without the liar when a check fails."""
+        if verifier is None:
+            return await session.step(hidden)
+        checked = verifier.drawn()
+        for _ in range(MAX_REWINDS):
+            out = await verifier.step(hidden)
+            if not checked or await verifier.finish() is None:
+                return out
+            await verifier.rewind(0)
+        raise RouteError(f"results failed verification {MAX_REWINDS} times in one forward pass")
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -177,17 +197,19 @@ class RemoteCausalLM:
         adapter: Adapter | None = None,
         top_p: float = 1.0,
         stop: Callable[[], bool] | None = None,
+        on_rewind: Callable[[int], None] | None = None,
+        hold: bool = False,
     ) -> Generated:
         """One generation in a session of its own, with `adapter` (None: the model's own). Many may
         run at once on one event loop: they share the swarm node, the head and what is known of
-        peers, and each has its own session, generator and adapter. `top_p` and `stop`: see
-        generate/sampling.py and `Conversation.generate`."""
+        peers, and each has its own session, generator and adapter. `top_p`: see
+        generate/sampling.py; `stop`, `on_rewind` and `hold`: `Conversation.generate`."""
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         conversation = Conversation(self, keep=False, adapter=adapter)
         try:
             return await conversation.generate(
                 input_ids, max_new_tokens, temperature, generator, on_token, stop_at_eos, stop,
-                decode=decode, top_p=top_p,
+                decode=decode, top_p=top_p, on_rewind=on_rewind, hold=hold,
             )
         finally:
             await conversation.close()

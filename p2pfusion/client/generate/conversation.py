@@ -83,11 +83,16 @@ class Conversation:
         stop: Callable[[], bool] | None = None,
         decode: bool = True,
         top_p: float = 1.0,
+        on_rewind: Callable[[int], None] | None = None,
+        hold: bool = False,
     ) -> Generated:
         """Continue `input_ids` (the whole sequence, earlier calls' tokens included) with up to
         `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
-        leaves the session ready for the next call. With verification on, `on_token` gets tokens
-        once the results they came from are checked (see client/checks/verifier.py)."""
+        leaves the session ready for the next call. With verification on, checks run beside the
+        generation (client/checks/verifier.py): `on_token` gets each token as it comes, and when a
+        check finds the results behind some of them wrong, `on_rewind(n)` says that only the first
+        n tokens given stand; the corrected ones follow through `on_token`. With `hold`, `on_token`
+        gets tokens only once their results are checked, and none is ever withdrawn."""
         started = time.perf_counter()
         model = self.model
         if not input_ids:
@@ -129,18 +134,22 @@ class Conversation:
                     out.append(token)
                     times.append(time.perf_counter() - started)
                     done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
-                    wrong = await self._check(done)
+                    wrong = await self._check(done, hold)
                     if wrong is None:
-                        shown = self._show(out, shown, len(input_ids) + reserved, on_token)
+                        shown = self._show(out, shown, len(input_ids) + reserved, on_token, hold)
                         if not done and stop is not None and stop():
-                            done, wrong = True, await self._check(True)  # the rest is checked before the reply ends
-                            shown = self._show(out, shown, len(input_ids) + reserved, on_token) if wrong is None else shown
+                            done, wrong = True, await self._check(True, hold)  # the rest is checked before the reply ends
+                            shown = self._show(out, shown, len(input_ids) + reserved, on_token, hold) if wrong is None else shown
                     if wrong is not None:
                         rewinds += 1
                         if rewinds > MAX_REWINDS:
                             raise RouteError(f"results failed verification {rewinds} times in one generation")
                         hidden = await self._rewind(wrong, input_ids, out, reserved, soft)
                         del times[len(out):]
+                        if shown > len(out):
+                            shown = len(out)
+                            if on_rewind is not None:
+                                on_rewind(shown)
                         continue
                     if done:
                         break
@@ -153,17 +162,21 @@ class Conversation:
         text = model.tokenizer.decode(out, skip_special_tokens=True) if decode else ""
         return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds, times)
 
-    async def _check(self, final: bool) -> int | None:
-        """The first wrong position found (None: none, or verification is off); at random, or
-        over every unchecked position when `final`."""
+    async def _check(self, final: bool, hold: bool) -> int | None:
+        """The first wrong position found (None: none, or verification is off): by a check that
+        ended in the background, or, when `final`, over every position not checked yet."""
         if self.verifier is None:
             return None
-        return await (self.verifier.check() if final else self.verifier.maybe_check())
+        return await (self.verifier.finish() if final else self.verifier.poll(continuous=hold))
 
-    def _show(self, out: list[int], shown: int, prompt: int, on_token: Callable[[int], None] | None) -> int:
-        """Give `on_token` the tokens not shown yet whose results are checked (the token after
-        position p is sure once p's output is); returns how many are shown now."""
-        sure = len(out) if self.verifier is None else min(max(self.verifier.checked - prompt + 1, 0), len(out))
+    def _show(
+        self, out: list[int], shown: int, prompt: int, on_token: Callable[[int], None] | None, hold: bool
+    ) -> int:
+        """Give `on_token` the tokens not shown yet (with `hold`, only those whose results are
+        checked: the token after position p is sure once p's output is); returns how many are
+        shown now."""
+        checked = len(out) if self.verifier is None else self.verifier.checked - prompt + 1
+        sure = min(max(checked, 0), len(out)) if hold else len(out)
         if on_token is not None:
             for token in out[shown:sure]:
                 on_token(token)

@@ -36,7 +36,7 @@ Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
 
 @dataclass
 class Piece:
-    """One token of a stream, as soon as it is sure (see client/checks/verifier.py)."""
+    """One token of a stream, as it comes (or once checked, with `hold_until_checked`)."""
 
     token_id: int
     # what it adds to the text: empty while it ends inside a multi-byte character or may begin a
@@ -44,6 +44,17 @@ class Piece:
     # text the pieces lack is the end of the whole `Generated.text`)
     text: str
     seconds: float  # from the call's start to this token
+
+
+@dataclass
+class Correction:
+    """Verification found that peers computed the results behind some tokens already streamed
+    wrong (client/checks/verifier.py): only the first `tokens` of them stand, whose text is `text`
+    (all the pieces' text so far after this correction); the corrected pieces follow."""
+
+    tokens: int
+    text: str
+    seconds: float  # from the call's start to the correction
 
 
 @dataclass
@@ -58,6 +69,7 @@ class GenerationRequest:
     adapter: Adapter | None
     top_p: float = 1.0
     stop: tuple[str, ...] = ()  # the text ends before the first of these (client/generate/stops.py)
+    hold: bool = False  # stream only tokens whose results are checked: no Correction ever comes
 
 
 class SwarmLM:
@@ -121,7 +133,7 @@ class SwarmLM:
     def request(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
         chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
-        stop: str | Sequence[str] = (),
+        stop: str | Sequence[str] = (), hold_until_checked: bool = False,
     ) -> GenerationRequest:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise RequestError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
@@ -137,8 +149,10 @@ class SwarmLM:
         if adapter is not None and not isinstance(adapter, Adapter):
             raise RequestError("adapter must be an Adapter (see load_adapter)")
         ids = self.encode(prompt, chat)
+        if not isinstance(hold_until_checked, bool):
+            raise RequestError(f"hold_until_checked must be true or false, got {hold_until_checked!r}")
         return GenerationRequest(
-            ids, max_new_tokens, float(temperature), seed, stop_at_eos, adapter, float(top_p), stops
+            ids, max_new_tokens, float(temperature), seed, stop_at_eos, adapter, float(top_p), stops, hold_until_checked
         )
 
     async def generate(
@@ -149,17 +163,18 @@ class SwarmLM:
         """Up to `max_new_tokens` tokens after `prompt`, greedy at temperature 0 (sampled within the
         nucleus `top_p` otherwise); the text ends before the first `stop` string, and the tokens do
         soon after it. The result holds the tokens, their text and when each came (`token_times`,
-        `latencies`)."""
+        `latencies`); every result in it is checked at the client's verification rate."""
         request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter, top_p, stop)
         return await self.run(request)
 
     async def run(
-        self, request: GenerationRequest, on_piece: Callable[[Piece], None] | None = None,
+        self, request: GenerationRequest, on_piece: Callable[[Piece | Correction], None] | None = None,
         stop: Callable[[], bool] | None = None,
     ) -> Generated:
-        """`request`'s generation; `on_piece` gets each token once it is sure, with the text it adds,
-        held back while that text may begin one of the request's stop strings. `stop()`, asked after
-        each token, ends the generation early."""
+        """`request`'s generation; `on_piece` gets each token as it comes (once checked, with the
+        request's `hold`), with the text it adds, held back while that text may begin one of the
+        request's stop strings, and a Correction when verification withdraws tokens it got.
+        `stop()`, asked after each token, ends the generation early."""
         started = time.perf_counter()
         pieces = TextPieces(self.tokenizer)
         stops = StopText(request.stop)
@@ -169,6 +184,13 @@ class SwarmLM:
             if on_piece is not None:
                 on_piece(Piece(token, text, time.perf_counter() - started))
 
+        def withdrawn(kept: int) -> None:
+            nonlocal pieces, stops
+            tokens, pieces, stops = pieces.tokens[:kept], TextPieces(self.tokenizer), StopText(request.stop)
+            text = "".join(stops.add(pieces.add(token)) for token in tokens)
+            if on_piece is not None:
+                on_piece(Correction(kept, text, time.perf_counter() - started))
+
         def stopping() -> bool:
             return stops.stopped or (stop is not None and stop())
 
@@ -176,7 +198,8 @@ class SwarmLM:
         result = await self.model.generate(
             request.input_ids, request.max_new_tokens, request.temperature, request.seed, shown if watched else None,
             request.stop_at_eos, adapter=request.adapter, top_p=request.top_p,
-            stop=stopping if request.stop or stop is not None else None,
+            stop=stopping if request.stop or stop is not None else None, on_rewind=withdrawn if watched else None,
+            hold=request.hold,
         )
         result.text = cut_at_stop(result.text, request.stop)
         return result
@@ -184,11 +207,16 @@ class SwarmLM:
     def stream(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
         *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
-        stop: str | Sequence[str] = (),
+        stop: str | Sequence[str] = (), hold_until_checked: bool = False,
     ) -> TokenStream:
         """Like `generate`, token by token: `async for piece in client.stream(...)`; the stream's
-        `result` is the whole Generated once it ends."""
-        request = self.request(prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter, top_p, stop)
+        `result` is the whole Generated once it ends. Pieces come as tokens are chosen, while
+        verification checks their results beside the generation; when a check finds some wrong, a
+        Correction comes, then the corrected pieces. With `hold_until_checked`, pieces come only
+        once checked (a stream that stalls while checks run, and is never corrected)."""
+        request = self.request(
+            prompt, max_new_tokens, temperature, seed, chat, stop_at_eos, adapter, top_p, stop, hold_until_checked
+        )
         return TokenStream(self, request)
 
     async def close(self) -> None:
@@ -208,7 +236,7 @@ class TokenStream:
     def __init__(self, lm: SwarmLM, request: GenerationRequest):
         self._lm = lm
         self.request = request
-        self._queue: asyncio.Queue[Piece | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[Piece | Correction | None] = asyncio.Queue()
         self._task: asyncio.Task | None = None
         self._ended = False
         self.result: Generated | None = None
@@ -216,7 +244,7 @@ class TokenStream:
     def __aiter__(self) -> TokenStream:
         return self
 
-    async def __anext__(self) -> Piece:
+    async def __anext__(self) -> Piece | Correction:
         if self._ended:
             raise StopAsyncIteration
         if self._task is None:
@@ -285,12 +313,12 @@ class SwarmLMSync:
     def stream(
         self, prompt: Prompt, max_new_tokens: int = 64, temperature: float = 0.0, seed: int | None = None,
         *, chat: bool = False, stop_at_eos: bool = True, adapter: Adapter | None = None, top_p: float = 1.0,
-        stop: str | Sequence[str] = (),
-    ) -> Iterator[Piece]:
-        """The tokens as they come; breaking out of the loop ends the generation."""
+        stop: str | Sequence[str] = (), hold_until_checked: bool = False,
+    ) -> Iterator[Piece | Correction]:
+        """The tokens as they come (see `SwarmLM.stream`); breaking out of the loop ends the generation."""
         stream = self._run(_value(lambda: self.lm.stream(
             prompt, max_new_tokens, temperature, seed, chat=chat, stop_at_eos=stop_at_eos, adapter=adapter,
-            top_p=top_p, stop=stop,
+            top_p=top_p, stop=stop, hold_until_checked=hold_until_checked,
         )))
         try:
             while (piece := self._run(_next(stream))) is not None:
@@ -317,7 +345,7 @@ async def _value(make: Callable[[], Any]) -> Any:
     return make()
 
 
-async def _next(stream: TokenStream) -> Piece | None:
+async def _next(stream: TokenStream) -> Piece | Correction | None:
     try:
         return await stream.__anext__()
     except StopAsyncIteration:

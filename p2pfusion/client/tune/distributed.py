@@ -68,14 +68,14 @@ class RemoteCache(Cache):
             out = swarm.run(self.session.step(hidden, mask, positions))
         else:
             out = swarm.run(self.verifier.step(hidden, mask, positions))
-            if swarm.run(self.verifier.maybe_check()) is not None:
+            if swarm.run(self.verifier.poll()) is not None:
                 raise WrongResults()
         self.length += tokens
         return out
 
     def verified(self) -> bool:
         """Check the results not checked yet: True when they hold (or verification is off)."""
-        return self.verifier is None or self.swarm.run(self.verifier.check()) is None
+        return self.verifier is None or self.swarm.run(self.verifier.finish()) is None
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         raise RequestError("beam search through the swarm is not supported; use greedy decoding or sampling")
