@@ -151,7 +151,7 @@ class Verifier:
                     return None
                 rewind = await self._mismatch(start + (bad if flip is None else flip), end, float(errors.max()), flip is not None)
                 if rewind is None and flip is not None:
-                    self.checked = end  # no hop repeated the difference: nothing to redo
+                    self.checked = end  # a near tie that honest rounding explains: nothing to redo
                     return None
             except PeerFailed as exc:
                 self.session.failed(exc)
