@@ -174,7 +174,6 @@ class StreamingDecoder:
     """Print text as tokens arrive, without splitting multi-byte characters."""
 
     def __init__(self, tokenizer, out: TextIO | None = None):
-        self.tokenizer = tokenizer
         self.pieces = TextPieces(tokenizer)
         self.out = out or sys.stdout
 
@@ -187,8 +186,7 @@ class StreamingDecoder:
     def rewind(self, kept: int) -> None:
         """Verification withdrew the tokens after the first `kept`: say so, and print the text that
         stands again, on a line of its own; the corrected tokens follow it."""
-        tokens, self.pieces = self.pieces.tokens[:kept], TextPieces(self.tokenizer)
-        text = "".join(self.pieces.add(token) for token in tokens)
+        text = self.pieces.keep(kept)
         self.out.write("\n")
         self.out.flush()
         print("p2pfusion: a peer's results behind the text above failed verification; corrected:", file=sys.stderr)

@@ -64,7 +64,6 @@ class Blame:
     def avoided(self, records: list[PeerRecord]) -> set[str]:
         return self.access.health.banned(records) | self.access.distrusted
 
-
     async def open(self, route: list[PeerRecord], length: int) -> RouteSession:
         access = self.access
         session = await RouteSession(
@@ -75,12 +74,10 @@ class Blame:
             await session.set_params(params)
         return session
 
-
     def ban(self, peers: set[str]) -> None:
         """Avoid peers for a while without accusing them (the evidence names none of them alone)."""
         for peer in peers - set(self.caught):
             self.access.health.failed(peer, self._known[peer].since if peer in self._known else 0.0)
-
 
     async def localize(
         self, route: list[PeerRecord], hidden: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None,

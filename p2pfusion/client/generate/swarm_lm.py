@@ -185,9 +185,9 @@ class SwarmLM:
                 on_piece(Piece(token, text, time.perf_counter() - started))
 
         def withdrawn(kept: int) -> None:
-            nonlocal pieces, stops
-            tokens, pieces, stops = pieces.tokens[:kept], TextPieces(self.tokenizer), StopText(request.stop)
-            text = "".join(stops.add(pieces.add(token)) for token in tokens)
+            nonlocal stops
+            stops = StopText(request.stop)
+            text = stops.add(pieces.keep(kept))  # what the kept pieces showed, held text held again
             if on_piece is not None:
                 on_piece(Correction(kept, text, time.perf_counter() - started))
 

@@ -20,6 +20,12 @@ class TextPieces:
         added, self.text = text[len(self.text):], text
         return added
 
+    def keep(self, count: int) -> str:
+        """Keep only the first `count` tokens (verification withdrew the rest); their text, as the
+        pieces `add` gave for them."""
+        tokens, self.tokens, self.text = self.tokens[:count], [], ""
+        return "".join(self.add(token) for token in tokens)
+
     def rest(self) -> str:
         """What the text still lacks once the tokens end (an incomplete character, as it is)."""
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
