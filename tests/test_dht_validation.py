@@ -1,7 +1,6 @@
 """The DHT's record rules, without a network: what the validator lets a node store or a search bring
 back, and the caps of a node's storage."""
 
-import time
 
 import msgpack
 import pytest
@@ -26,6 +25,7 @@ from p2pfusion.dht.records import (
 )
 from p2pfusion.dht.storage import CappedStorage
 from p2pfusion.dht.validation import SwarmValidator, key_id
+from tests.receipts import fault as signed_fault
 
 
 class _Key(RSAPrivateKey):
@@ -53,10 +53,6 @@ def _peer_value(peer_id: str, model: str = "m", **fields) -> dict:
     return {**record.to_value(), **fields}
 
 
-def _fault(accused: str, witness: str = "QmWitness") -> FaultReport:
-    return FaultReport(accused, 0, 2, 0.25, "a" * 64, "b" * 64, (witness,), time.time())
-
-
 def test_each_kind_of_record_is_accepted_from_its_writer(keys):
     node, alice, mallory = keys["node"], keys["alice"], keys["mallory"]
     me = alice.writer_id
@@ -65,7 +61,7 @@ def test_each_kind_of_record_is_accepted_from_its_writer(keys):
     assert node.validate(_record(alice, MODELS_KEY, "m", entry))
     report = {"peer_id": mallory.writer_id, "reason": "gone", "model": "m", "reporter": me}
     assert node.validate(_record(alice, unreachable_key("m"), mallory.writer_id, report))
-    fault = {**_fault(mallory.writer_id).to_value(), "model": "m", "reporter": me}
+    fault = {**signed_fault(mallory.writer_id).to_value(), "model": "m", "reporter": me}
     assert node.validate(_record(alice, fault_key("m"), mallory.writer_id, fault, ttl=600))
 
 
@@ -106,7 +102,7 @@ def test_expiration_is_capped_per_kind(keys):
     me = alice.writer_id
     assert node.validate(_record(alice, model_key("m"), me, _peer_value(me), ttl=50))
     assert not node.validate(_record(alice, model_key("m"), me, _peer_value(me), ttl=900))
-    fault = {**_fault("QmAccused").to_value(), "model": "m", "reporter": me}
+    fault = {**signed_fault("QmAccused").to_value(), "model": "m", "reporter": me}
     assert node.validate(_record(alice, fault_key("m"), "QmAccused", fault, ttl=600))
     assert not node.validate(_record(alice, fault_key("m"), "QmAccused", fault, ttl=900))
 
@@ -114,6 +110,10 @@ def test_expiration_is_capped_per_kind(keys):
 def test_sizes_are_capped(keys):
     node, alice = keys["node"], keys["alice"]
     me = alice.writer_id
+    fault_value = {**signed_fault("QmAccused").to_value(), "model": "m", "reporter": me}
+    assert node.validate(_record(alice, fault_key("m"), "QmAccused", fault_value, ttl=600))
+    padded = {**fault_value, "evidence": {**fault_value["evidence"], "earlier": [[1, b"\0" * 32]] * 400}}
+    assert not node.validate(_record(alice, fault_key("m"), "QmAccused", padded, ttl=600))
     assert not node.validate(_record(alice, model_key("m"), me, _peer_value(me, device="x" * 5000)))
     addrs = [f"10.0.0.{i}:443" for i in range(9)]
     assert not node.validate(_record(alice, model_key("m"), me, _peer_value(me, data_addrs=addrs)))
@@ -137,10 +137,14 @@ def test_forged_or_weak_signatures_and_odd_encodings_are_refused(keys):
 
 
 def test_fault_reports_parse_strictly():
-    report = _fault("QmAccused")
+    report = signed_fault("QmAccused")
     assert FaultReport.from_value(report.to_value()) == report
-    for bad in ({"error": float("nan")}, {"input_digest": "xyz"}, {"witnesses": ["QmAccused"]},
-                {"start": 3, "end": 3}, {"peer_id": "../etc"}, {"witnesses": ["Qm"] * 9}):
+    evidence = report.to_value()["evidence"]
+    receipt = evidence["receipt"]
+    for bad in ({"error": float("nan")}, {"start": 3, "end": 3}, {"peer_id": "../etc"}, {"peer_id": "QmOther"},
+                {"start": 0}, {"evidence": {**evidence, "tokens": []}},
+                {"evidence": {**evidence, "receipt": {**receipt, "output": b"\0" * 7}}},
+                {"evidence": {**evidence, "receipt": {**receipt, "history": b"short"}}}):
         assert FaultReport.from_value({**report.to_value(), **bad}) is None
 
 

@@ -9,7 +9,6 @@ from p2pfusion.client.checks.policy import (
     Culprit,
     alternative_route,
     check_rate,
-    distrusted_by_reports,
     first_mismatch,
     judge,
     relative_errors,
@@ -17,7 +16,7 @@ from p2pfusion.client.checks.policy import (
     unchecked_layers,
     witness_chain,
 )
-from p2pfusion.dht.records import FaultReport, PeerRecord, PeerState
+from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.net.compression import AUTO, Codec
 from p2pfusion.errors import RequestError
 from p2pfusion.models.stage import load_stage
@@ -29,17 +28,6 @@ def record(
     return PeerRecord(
         "m", peer, [], start, end, state, compute_rate=rate, network_rate=None, device="cpu", weights=weights
     )
-
-
-def report(accused: str) -> FaultReport:
-    return FaultReport(accused, 0, 2, 0.5, "0" * 64, "1" * 64, ("W",), 0.0)
-
-
-def test_one_reporter_is_not_a_ban():
-    assert distrusted_by_reports([("R1", report("A")), ("R1", report("A"))]) == set()
-    assert distrusted_by_reports([("R1", report("A")), ("R2", report("A")), ("R3", report("B"))]) == {"A"}
-    # a peer accusing itself (to look like a reporter) does not count
-    assert distrusted_by_reports([("A", report("A")), ("R1", report("A"))]) == set()
 
 
 def test_judge_needs_a_third_opinion():

@@ -11,11 +11,13 @@ import httpx2
 import torch
 import uvloop
 
+from p2pfusion.client.checks.policy import WIRE_TOLERANCE
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.swarm_lm import Correction, SwarmLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.formats import WeightFormat
 from p2pfusion.models.stage import load_head
+from p2pfusion.net.compression import Codec
 from p2pfusion.cli.commands import StreamingDecoder
 from tests.conftest import reference_model
 from tests.test_api import _serve_in_process, _stop_server
@@ -292,4 +294,48 @@ def test_a_change_under_the_bar_that_flips_a_token_is_replayed_and_caught(tiny_m
     assert any("in the token chosen" in r.getMessage() for r in caplog.records)
     # it nudges decode steps only, so replaying the range as one prefill does not repeat it: its
     # tokens are undone and its route avoided for a while, but it is not named
+    assert result.token_ids == honest.token_ids and result.rewinds >= 1 and liar in avoided
+
+
+def test_under_auto_compression_the_bar_is_that_of_the_codecs_the_receipts_name(tiny_models):
+    """`auto` may send float16 on a slow link, so without knowing better a check's bar is float16's
+    (2e-2), and a replay that differs from the route's states by less passes for rounding. On
+    loopback every hop's receipt says it sent float32: the bar is float32's, and nudges that flip
+    a token while staying far under 2e-2 are caught and undone."""
+    source = tiny_models["llama"]
+    head = load_head(source)
+    sizes: list[float] = []
+    nudge = nudge_to_flip(head)
+
+    def measured(out: torch.Tensor) -> torch.Tensor:
+        """Nudges only the steps where a flip costs under half of float16's bar."""
+        nudged = nudge(out)
+        size = float((nudged - out).norm() / out.norm())
+        if nudged is out or size >= WIRE_TOLERANCE[Codec.FLOAT16] / 2:
+            return out
+        sizes.append(size)
+        return nudged
+
+    async def generate_with(maddrs, verify: float):
+        swarm = await join_swarm(maddrs, client_mode=True)
+        try:
+            model = RemoteCausalLM.build(source, swarm, verify=verify)  # compression auto
+            result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
+            return result, model.core.health.banned(await model.core.access().records(0))
+        finally:
+            await swarm.shutdown()
+
+    async def scenario():
+        async with running_peers(source, [(0, 4)]) as (_, maddrs):
+            liar = await start_peer(source, maddrs, (0, 4), throughput="1000")
+            try:
+                honest, _ = await generate_with(maddrs, 0.0)
+                lie(liar, measured)
+                result, avoided = await generate_with(maddrs, 1.0)
+            finally:
+                await stop_peer(liar)
+        return liar.swarm.peer_id, honest, result, avoided
+
+    liar, honest, result, avoided = uvloop.run(scenario())
+    assert sizes
     assert result.token_ids == honest.token_ids and result.rewinds >= 1 and liar in avoided

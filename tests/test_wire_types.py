@@ -25,8 +25,10 @@ from p2pfusion.errors import RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net import run_messages as t
 from p2pfusion.net.framing import _decode_header, encode as frame
+from p2pfusion.net.receipts import Evidence, Receipt, ReceiptCert
 from p2pfusion.net.transport import Hello
 from p2pfusion.net.wire import Bound, Check, Length, WireError, decode_as, encode
+from tests.receipts import fault as signed_fault
 
 MESSAGE_TYPES = sorted({*m.MESSAGES.values(), *t.MESSAGES.values()}, key=lambda cls: cls.kind)
 RECORD_TYPES = [r.PeerRecord, r.UnreachableReport, r.FaultReport, r.ModelEntry]
@@ -35,10 +37,19 @@ ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 CONTENT = {
     r.PeerId: st.text(ALNUM, min_size=1, max_size=r.MAX_ID_LENGTH),
     r.ModelKey: st.text(ALNUM + "-_.", min_size=1, max_size=r.MAX_KEY_LENGTH),
-    r.Digest: st.text("0123456789abcdef", min_size=64, max_size=64),
     r.FormatName: st.sampled_from(["float32", "bfloat16", "int8", "int4"]),
     t.RunName: st.text(ALNUM + "-_.", min_size=1, max_size=t.MAX_RUN_NAME),
     t.StateKind: st.sampled_from(t.STATE_KINDS),
+}
+
+
+# types whose fields must agree with each other the way only signing makes them: real ones
+_REPORTS = [signed_fault(), signed_fault("QmAccused")]
+MADE = {
+    r.FaultReport: st.sampled_from(_REPORTS),
+    Evidence: st.sampled_from([report.evidence for report in _REPORTS]),
+    Receipt: st.sampled_from([report.evidence.receipt for report in _REPORTS]),
+    ReceiptCert: st.sampled_from([report.evidence.cert for report in _REPORTS]),
 }
 
 
@@ -97,6 +108,8 @@ def _valid(value) -> bool:
 
 
 def instances(cls) -> st.SearchStrategy:
+    if cls in MADE:
+        return MADE[cls]
     hints = typing.get_type_hints(cls, include_extras=True)
     fields = {f.name: strategy(hints[f.name]) for f in dataclasses.fields(cls)}
     return st.builds(cls, **fields).filter(_valid)

@@ -95,7 +95,7 @@ def _check_device(device: str) -> None:
 def client_options(args) -> ClientOptions:
     """The client's options as infer, chat and api take them (a bad file or value fails here, first)."""
     return ClientOptions(
-        compression=args.compression, verify=args.verify, swarm_secret=args.swarm_secret,
+        compression=args.compression, verify=args.verify, canaries=args.canaries, swarm_secret=args.swarm_secret,
         trusted_peers=args.trusted_peers, local_layers=args.local_layers, min_precision=args.min_precision,
     )
 

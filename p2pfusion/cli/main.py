@@ -26,6 +26,7 @@ from p2pfusion.cli.options import (
     SWARM_SECRET,
     TRUSTED_PEERS,
     VERIFY,
+    CANARIES,
     api_key,
     gibibytes,
     ip_address,
@@ -86,6 +87,7 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     command.add_argument("--seed", type=whole_number(0), metavar="N", help="seed of the sampler (with --temperature)")
     command.add_argument("--compression", **COMPRESSION)
     command.add_argument("--verify", **VERIFY)
+    command.add_argument("--canaries", **CANARIES)
     command.add_argument(
         "--hold-until-checked", action="store_true",
         help="print only text whose results verification checked (the default when stdout is not a terminal); "
@@ -239,6 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api.add_argument("--compression", **COMPRESSION)
     api.add_argument("--verify", **VERIFY)
+    api.add_argument("--canaries", **CANARIES)
     api.add_argument("--swarm-secret", **SWARM_SECRET)
     api.add_argument("--trusted-peers", **TRUSTED_PEERS)
     api.add_argument("--local-layers", **LOCAL_LAYERS)

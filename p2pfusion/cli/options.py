@@ -149,6 +149,11 @@ VERIFY = dict(
     help="chance that a step's results are checked against other peers, beside the generation (0: never); "
     "a generation's end always is",
 )
+CANARIES = dict(
+    type=probability, default=0.0, metavar="RATE",
+    help="chance that a generation is followed by a canary: a synthetic chat whose every hop this client "
+    "recomputes, reporting a peer that signed a wrong result (canaries go through suspected peers anyway)",
+)
 
 
 SWARM_SECRET = dict(type=Path, metavar="FILE", help="a private swarm's secret file (from p2pfusion swarm-secret)")

@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable, Sequence
 import torch
 
 from p2pfusion.client.checks.distrust import Distrust
+from p2pfusion.client.checks.forward import ForwardCheck
+from p2pfusion.client.checks.local import Recomputer
 from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.client.options import ClientOptions
 from p2pfusion.client.route.access import SwarmAccess
@@ -34,6 +36,8 @@ from p2pfusion.net.links import LinkBook
 
 log = logging.getLogger(__name__)
 
+BACKGROUND_GRACE = 30.0  # seconds a leaving client waits for a canary under way
+
 
 class ClientCore:
     def __init__(self, source: ModelSource, options: ClientOptions | None = None, swarm: SwarmNode | None = None):
@@ -42,11 +46,13 @@ class ClientCore:
         self.config = load_config(source)
         self.head = load_head(source, self.options.dtype)
         self.health = PeerHealth(observed=load_observed(source.key))
+        self.recomputer = Recomputer(source, self.head, self.num_layers)  # the layers computed here, to check peers
         self.swarm = swarm
         self._tokenizer = None
         self._access: SwarmAccess | None = None
         self._distrust: Distrust | None = None
         self._reads: dict[str, asyncio.Task] = {}  # swarm reads in flight, shared by sessions opening together
+        self._background: set[asyncio.Task] = set()  # work beside the user's (canaries), ended by `leave`
         if self.options.trusted_peers is not None:
             log.info("routing only through %d trusted peers", len(self.options.trusted_peers))
 
@@ -90,7 +96,7 @@ class ClientCore:
                 LinkBook(self.swarm.transport), options.compression, trusted=options.trusted_peers,
                 minimum=options.min_precision,
             )
-            self._distrust = Distrust(self._access)
+            self._distrust = Distrust(self._access, self.recomputer)
         return self._access
 
     @property
@@ -109,17 +115,18 @@ class ClientCore:
 
     def session(
         self, length: int, params: SessionParams | None = None, purpose: Purpose = Purpose.INFERENCE, batch: int = 1,
-        first: int = 0,
+        first: int = 0, through: str | None = None,
     ) -> ResilientSession:
-        """A session through the layers from `first` on, not opened yet (it opens on its first step)."""
-        return ResilientSession(self.access(), length, params, purpose, batch, first)
+        """A session through the layers from `first` on (and through peer `through`, if given),
+        not opened yet (it opens on its first step)."""
+        return ResilientSession(self.access(), length, params, purpose, batch, first, through)
 
     async def open_session(
         self, length: int, params: SessionParams | None = None, purpose: Purpose = Purpose.INFERENCE, batch: int = 1,
-        first: int = 0,
+        first: int = 0, through: str | None = None,
     ) -> ResilientSession:
         """An open session, routed around the peers this client distrusts (other clients' reports read first)."""
-        session = self.session(length, params, purpose, batch, first)
+        session = self.session(length, params, purpose, batch, first, through)
         await self.shared("distrust", self.distrust.refresh)
         return await session.open()
 
@@ -127,7 +134,13 @@ class ClientCore:
         """What checks a session's results (None with verification off)."""
         if self.options.verify <= 0:
             return None
-        return Verifier(session, self.distrust, self.source, self.options.verify, self.options.dtype, self.greedy_tokens)
+        return Verifier(session, self.distrust, self.options.verify, self.options.dtype, self.greedy_tokens)
+
+    def forward_check(self) -> ForwardCheck | None:
+        """What checks a sample of training forwards (None with verification off)."""
+        if self.options.verify <= 0:
+            return None
+        return ForwardCheck(self.distrust, self.options.verify, self.options.dtype)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The greedy token after each position of final hidden states [batch, tokens, hidden]; safe
@@ -152,8 +165,22 @@ class ClientCore:
         """Keep the peers' speeds this client observed for its next run (and `p2pfusion swarm`)."""
         save_observed(self.source.key, self.health.observed)
 
+    def spawn(self, work: Awaitable) -> asyncio.Task:
+        """Run `work` beside the user's requests until it ends or the client leaves."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
     async def leave(self) -> None:
-        """Save what was observed and leave the swarm."""
+        """Let the work beside the user's end (a canary owed to a suspect reports what it finds),
+        for BACKGROUND_GRACE seconds at most, save what was observed and leave the swarm."""
+        if self._background:
+            await asyncio.wait(self._background, timeout=BACKGROUND_GRACE)
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.wait(self._background)
         self.save_observed()
         swarm, self.swarm = self.swarm, None
         if swarm is not None:

@@ -37,6 +37,7 @@ class ClientOptions:
     local_layers: int = 0  # run at least the first K layers on the client (generate/local_layers.py)
     min_precision: WeightFormat = WeightFormat.INT4  # the least precise weight format a route may use
     screen_head: bool = True  # greedy tokens through the float16 screen of the LM head (generate/screen.py)
+    canaries: float = 0.0  # chance a generation is followed by a canary session (client/canary.py)
 
     def __post_init__(self):
         read = {
@@ -48,6 +49,7 @@ class ClientOptions:
             "local_layers": _whole(self.local_layers, "local_layers"),
             "min_precision": minimum_format(self.min_precision),
             "screen_head": _flag(self.screen_head, "screen_head"),
+            "canaries": check_rate(self.canaries, "canaries"),
         }
         for name, value in read.items():
             object.__setattr__(self, name, value)

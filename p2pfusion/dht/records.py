@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Annotated, Any
 
+from p2pfusion.net.receipts import Evidence
 from p2pfusion.net.run_messages import RunName
 from p2pfusion.net.wire import Bound, Check, Length, WireError, decode_as, encode
 
@@ -31,10 +32,8 @@ MAX_ADDRESS = 256  # characters of one multiaddr or host:port
 MAX_COUNT = 1 << 53  # any load figure past it is no figure a peer could hold (and not exact as a float)
 MAX_FORMAT_NAME = 16
 MAX_REASON = 200
-MAX_WITNESSES = 8
 MAX_LAYERS = 100_000
 MAX_HIDDEN = 1 << 20
-_HEX = frozenset("0123456789abcdef")
 
 
 def is_peer_id(value: Any) -> bool:
@@ -51,7 +50,6 @@ Address = Annotated[str, Length(MAX_ADDRESS, 1)]
 Rate = Annotated[float, Bound(0)]
 Count = Annotated[int, Bound(0, MAX_COUNT)]
 Layer = Annotated[int, Bound(0, MAX_LAYERS)]
-Digest = Annotated[str, Check(lambda d: len(d) == 64 and set(d) <= _HEX, "a sha256 digest in lowercase hex")]
 FormatName = Annotated[str, Check(lambda f: 0 < len(f) <= MAX_FORMAT_NAME and f.isalnum(), "a weight format's name")]
 
 
@@ -160,25 +158,24 @@ class UnreachableReport:
 
 @dataclass(frozen=True)
 class FaultReport:
-    """Evidence that a peer computed wrong: a client ran the same step through other peers of the
-    same layers (`witnesses`, whose outputs agreed with each other) and the accused's output was off
-    by a relative `error`. The digests name the step's input and the accused's claimed output, so
-    anyone holding them can check the claim. Who reported it is the signer, never a field."""
+    """Evidence that a peer computed wrong: its own signed receipt of a canary's step, which the
+    canary's recomputation contradicts by a relative `error` (net/receipts.py, `Evidence`). Any
+    client can recompute it; one that holds convicts the accused. Who reported it is the signer,
+    never a field."""
 
     peer_id: PeerId  # the accused
     start: Layer
     end: Layer
     error: Rate
-    input_digest: Digest
-    output_digest: Digest
-    witnesses: Annotated[tuple[PeerId, ...], Length(MAX_WITNESSES)]
+    evidence: Evidence
     time: Rate
 
     def check(self) -> None:
+        receipt = self.evidence.receipt
         if self.start >= self.end:
             raise WireError(f"layer range {self.start}:{self.end} is empty")
-        if self.peer_id in self.witnesses:
-            raise WireError("the accused peer cannot witness against itself")
+        if (receipt.peer_id, receipt.start, receipt.end) != (self.peer_id, self.start, self.end):
+            raise WireError("the evidence is a receipt of another peer or other layers")
 
     def to_value(self) -> dict[str, Any]:
         return encode(self)

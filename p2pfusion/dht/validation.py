@@ -8,8 +8,9 @@ of that, `SwarmValidator` refuses:
 - values whose writer (a peer record's peer id, a report's reporter) is not the signer, or whose
   subkey is not the one their kind puts them under: one key, one subkey per writer and subject;
 - values that do not parse as their kind, or sit under another kind's or model's key;
-- expirations further out than the kind's cap, values over MAX_VALUE_BYTES, subkeys over
-  MAX_SUBKEY_BYTES, RSA keys shorter than 2048 bits (cheap to mint in bulk) or over 4096.
+- expirations further out than the kind's cap, values over MAX_VALUE_BYTES (MAX_FAULT_BYTES for
+  a fault report), subkeys over MAX_SUBKEY_BYTES, RSA keys shorter than 2048 bits (cheap to mint
+  in bulk) or over 4096.
 It runs where hivemind validates: on every store a node receives and on every value a search
 brings back. `claim_of` (pure) says what a value claims to be; the class adds the signature.
 """
@@ -50,6 +51,7 @@ RECORD_TTL = 30.0  # peer records, model entries, unreachable reports: refreshed
 FAULT_TTL = 600.0  # fault reports are evidence; clients weigh them for a while
 CLOCK_SLACK = 30.0  # how far a writer's clock may run ahead of ours
 MAX_VALUE_BYTES = 4096  # a real peer record with 8 data addresses and its signature is about 1.5 KB
+MAX_FAULT_BYTES = 16384  # a fault report carries a canary's tokens, a receipt and rows: up to about 12 KB
 MAX_SUBKEY_BYTES = 1024
 MAX_MADDRS = 8
 RSA_BITS = (2048, 4096)
@@ -156,12 +158,14 @@ class SwarmValidator(RecordValidatorBase):
 
     def validate(self, record: DHTRecord) -> bool:
         now = get_dht_time()
-        if len(record.value) > MAX_VALUE_BYTES or len(record.subkey) > MAX_SUBKEY_BYTES:
+        if len(record.value) > MAX_FAULT_BYTES or len(record.subkey) > MAX_SUBKEY_BYTES:
             return False
         if record.expiration_time > now + FAULT_TTL + CLOCK_SLACK:
             return False
         kind = self._signed_kind(record)
-        return kind is not None and record.expiration_time <= now + MAX_TTL[kind] + CLOCK_SLACK
+        if kind is None or (kind != Kind.FAULT and len(record.value) > MAX_VALUE_BYTES):
+            return False
+        return record.expiration_time <= now + MAX_TTL[kind] + CLOCK_SLACK
 
     def _kind(self, record: DHTRecord) -> Kind | None:
         """The record's kind if it is one of ours, signed by the writer it names; else None."""

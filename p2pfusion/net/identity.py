@@ -28,7 +28,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import crypto_pb2
 
 from p2pfusion.errors import ConfigError, ProofError
-from p2pfusion.net.wire import Length
+from p2pfusion.net.wire import MAX_PEER_KEY_BYTES, MAX_PEER_SIG_BYTES, Length
 
 SIGNED_KEY_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")  # libp2p's, from its TLS spec
 SIGNATURE_PREFIX = b"libp2p-tls-handshake:"
@@ -218,8 +218,6 @@ def verify_peer(certificate_der: bytes | None, expected_peer_id: str) -> None:
 
 
 PEER_HELLO_PREFIX = b"p2pfusion peer hello for "
-MAX_PEER_KEY_BYTES = 800  # an RSA-4096 public key in libp2p's protobuf is about 550
-MAX_PEER_SIG_BYTES = 512  # RSA-4096
 
 
 @dataclass(frozen=True)

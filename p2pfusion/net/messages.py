@@ -20,6 +20,8 @@ A session's hidden states flow client -> stage 1 -> stage 2 -> ... -> client:
 8. `Ping` on a fresh stream asks a peer whether it serves: `Ack`, or an `Error` naming itself
    when it is leaving. A client confirms with it what one peer says about another.
 Each hop adds its own compute time to a step's `timings`, for logs; routing never trusts them.
+Each hop of an inference session also adds its signed `Receipt` of the step (net/receipts.py),
+and on the session's first step its receipt key's certificate: both reach the client in `Result`.
 An `Error` may carry a `code`: busy (no room now: try another peer, or this one after its
 `retry_after` seconds) or expired (the session sat idle and was closed: open it again). Neither
 is a fault of the peer.
@@ -35,6 +37,7 @@ from typing import Annotated, Any, ClassVar
 
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RequestError, SessionExpired
 from p2pfusion.net.compression import AUTO, Compression, LinkSpeed, Purpose
+from p2pfusion.net.receipts import Receipt, ReceiptCert
 from p2pfusion.net.wire import Bound, Length, decode_as, encode
 
 PROTOCOL = "p2pfusion.inference.v4"
@@ -54,6 +57,8 @@ Seconds = Annotated[float, Bound(0)]
 Timings = Annotated[list[tuple[Id, Seconds]], Length(MAX_ROUTE)]  # (peer id, compute seconds) per hop
 Shape = Annotated[list[Annotated[int, Bound(1)]], Length(MAX_ENTRY_DIMS, 1)]
 Entries = Annotated[list[tuple[Annotated[str, Length(MAX_ID, 1)], Shape]], Length(MAX_ENTRIES)]  # (name, shape)
+Receipts = Annotated[list[Receipt], Length(MAX_ROUTE)]  # one per hop so far
+Certs = Annotated[list[ReceiptCert], Length(MAX_ROUTE)]  # on a session's first step: of each hop so far
 
 
 class ErrorCode(str, Enum):
@@ -111,6 +116,8 @@ class Step:
     kind: ClassVar[str] = "step"
     step: int
     timings: Timings = field(default_factory=list)
+    receipts: Receipts = field(default_factory=list)
+    certs: Certs = field(default_factory=list)
     mask: bytes | None = None
     positions: bytes | None = None
     params: Id | None = None
@@ -149,6 +156,8 @@ class Result:
     kind: ClassVar[str] = "result"
     step: int
     timings: Timings = field(default_factory=list)
+    receipts: Receipts = field(default_factory=list)
+    certs: Certs = field(default_factory=list)
 
 
 @dataclass(frozen=True)

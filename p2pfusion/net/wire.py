@@ -28,6 +28,9 @@ from p2pfusion.errors import RequestError
 
 T = TypeVar("T")
 
+MAX_PEER_KEY_BYTES = 800  # a peer's libp2p public key: an RSA-4096 one in libp2p's protobuf is about 550
+MAX_PEER_SIG_BYTES = 512  # a signature by it (RSA-4096)
+
 
 class WireError(RequestError):
     """An untrusted record or message does not hold what its type declares."""

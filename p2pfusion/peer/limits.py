@@ -12,6 +12,7 @@ from p2pfusion.models.tuning import MAX_PROMPT_TOKENS, MAX_RANK
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameLimits
+from p2pfusion.net.receipts import RECEIPT_BYTES
 from p2pfusion.peer.admission import Budget, kv_bytes_per_token
 from p2pfusion.peer.compute import PREFILL_CHUNK
 
@@ -81,5 +82,5 @@ def stream_limits(stage: Stage, model_layers: int) -> StreamLimits:
 def session_limits(stage: Stage, model_layers: int, batch: int, length: int) -> FrameLimits:
     """From the hop before, within one session: steps, whose header carries the attention mask of
     the whole sequence (a byte per position of each sequence) and position ids, and the session's parameters."""
-    header = HEADER_BYTES + batch * length + 4 * m.MAX_STEP_TOKENS
+    header = HEADER_BYTES + batch * length + 4 * m.MAX_STEP_TOKENS + model_layers * RECEIPT_BYTES
     return _limits(header, max(step_bytes(stage), params_bytes(stage, model_layers)), {m.Step.kind, m.Params.kind})

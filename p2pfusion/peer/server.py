@@ -27,6 +27,7 @@ from p2pfusion.net.compression import AUTO, Compression, Purpose
 from p2pfusion.net.framing import BadTensor, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
+from p2pfusion.net.receipts import ReceiptChain, ReceiptKey
 from p2pfusion.net.transport import Transport
 from p2pfusion.peer.admission import Reservation, refusal, vouched_origin
 from p2pfusion.peer.batching import fairness_unit
@@ -70,6 +71,7 @@ class StageServer:
         self.model_layers = model_layers
         self.compression = compression  # what this peer's operator forces, unless the client does
         self.peer_id = transport.peer_id
+        self.receipt_key = ReceiptKey(transport.identity)
         self.session_limit = session_limit  # the longest session it accepts
         self.tokens_done = 0  # tokens computed since start, for the load this peer announces
         self.sessions_opened = 0  # since start, for the peer's periodic report
@@ -230,6 +232,7 @@ class StageServer:
             reserved=self._admit(msg, caps),
             downstream_peers=frozenset(hop.peer_id for hop in msg.route[1:]),
             frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.length),
+            receipts=ReceiptChain(self.receipt_key, msg.session_id, self.stage.start, self.stage.end, self.stage.format.value),
         )
         self.sessions[msg.session_id] = session
         self.sessions_opened += 1
@@ -332,11 +335,13 @@ class StageServer:
         positions = inputs.hidden.shape[0] * inputs.hidden.shape[1]
         self.tokens_done += positions
         timings = [*message.timings, (self.peer_id, seconds)]
+        packed = session.pack(out)
+        signed = session.sign(message, inputs.hidden, out, packed)
         if session.downstream is not None:
-            onward = m.to_header(dataclasses.replace(message, timings=timings))
-            await self._send_onward(session, onward, session.pack(out))
+            onward = m.to_header(dataclasses.replace(message, timings=timings, **signed))
+            await self._send_onward(session, onward, packed)
         else:
-            await write(session.sink, m.to_header(m.Result(message.step, timings)), session.pack(out))
+            await write(session.sink, m.to_header(m.Result(message.step, timings, **signed)), packed)
         self.metrics.step(session, arrived, seconds, positions)
         self.heap.step_done(self.stage.quantized_on_cpu)
         return True

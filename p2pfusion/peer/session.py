@@ -19,10 +19,11 @@ from p2pfusion.errors import RequestError
 from p2pfusion.models.tuning import StageParams, layer_of, stage_params
 from p2pfusion.models.stage import Graph, Stage
 from p2pfusion.net import messages as m
-from p2pfusion.net.codecs import ErrorFeedback, Packed, pack
+from p2pfusion.net.codecs import ErrorFeedback, Packed, pack, unpack
 from p2pfusion.net.compression import AUTO, Codec, Compression, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import UNLIMITED, FrameLimits
 from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
+from p2pfusion.net.receipts import ReceiptChain
 from p2pfusion.peer.batching import UNIT_SEPARATOR
 
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a stage casts them to its own
@@ -66,6 +67,7 @@ class Session:
     downstream_peers: frozenset[str] = frozenset()  # the route after this hop: whom the relay may name
     frame_limits: FrameLimits = UNLIMITED  # of the frames from the hop before
     expired: bool = False  # a hop after this one closed the session as idle
+    receipts: ReceiptChain | None = None  # signs an inference session's steps
 
     def __post_init__(self):
         if not self.training:
@@ -102,6 +104,18 @@ class Session:
             self.saved[message.step] = inputs
         else:
             self.position += inputs.hidden.shape[1]
+
+    def sign(self, message: m.Step, hidden: torch.Tensor, out: torch.Tensor, packed: Packed) -> dict:
+        """The receipts and certificates a step's output travels on with: those of the hops
+        before, and this hop's own (with its certificate on the session's first step)."""
+        if self.receipts is None or self.training:
+            return {"receipts": message.receipts, "certs": message.certs}
+        codec = Codec(packed.spec["codec"])
+        sent = out if codec == Codec.NONE else unpack(packed.spec, packed.body())
+        offset = self.position - hidden.shape[1]
+        receipt = self.receipts.receipt(message.step, offset, hidden, sent, codec)
+        certs = [*message.certs, self.receipts.key.cert] if offset == 0 else message.certs
+        return {"receipts": [*message.receipts, receipt], "certs": certs}
 
     def end(self) -> list[StepInputs]:
         """Free what the session holds (the object may outlive this, in a task's frame); returns

@@ -1,6 +1,9 @@
-"""Which peers a client stops routing through, beyond those its own checks caught: the peers that
-enough distinct other clients reported in the DHT for wrong results (client/checks/policy.py,
-`distrusted_by_reports`), read again every REFRESH_SECONDS."""
+"""Which peers a client stops routing through, beyond those its own checks caught: the peers that a
+fault report in the DHT convicts, by this client's own judgement of the report's evidence
+(client/checks/evidence.py), read again every REFRESH_SECONDS. Reports are evidence, not votes:
+one that holds convicts however few wrote it; one that does not convicts nobody and discredits
+its signer (its other reports are ignored). And the peers it suspects: those whose results it saw
+wrong without evidence to show, which canaries (client/canary.py) go through."""
 
 from __future__ import annotations
 
@@ -9,20 +12,29 @@ import logging
 import math
 import time
 
-from p2pfusion.client.checks.policy import distrusted_by_reports
+from p2pfusion.client.checks.evidence import judge_report
+from p2pfusion.client.checks.local import Recomputer
 from p2pfusion.client.route.access import SwarmAccess
+from p2pfusion.dht.records import FaultReport
 
 log = logging.getLogger(__name__)
 
 REFRESH_SECONDS = 30.0  # how often other clients' fault reports are read again
 REPORT_TIMEOUT = 10.0
+JUDGED_PER_READ = 4  # new reports judged per read: each costs a canary's computation here
+MAX_SUSPECTS = 64
 
 
 class Distrust:
     """The fault reports side of a client's distrust; `access` keeps the set routes avoid."""
 
-    def __init__(self, access: SwarmAccess):
+    def __init__(self, access: SwarmAccess, recomputer: Recomputer):
         self.access = access
+        self.recomputer = recomputer
+        self.suspects: dict[str, tuple[int, int]] = {}  # peer id -> (canaries still owed to it, positions they reach)
+        self.discredited: set[str] = set()  # signers of reports that did not hold
+        self.proven: set[str] = set()  # peers this client's own canaries convicted: no more canaries owed
+        self._verdicts: dict[bytes, bool] = {}  # a report's receipt signature -> whether it convicts
         self._read_at = -math.inf
 
     async def refresh(self) -> None:
@@ -34,8 +46,57 @@ class Distrust:
         except (TimeoutError, OSError) as exc:
             log.debug("cannot read fault reports: %r", exc)
             return
-        self.access.take_reports(frozenset(distrusted_by_reports(reports)))
+        await self.judge(reports)
 
-    def catch(self, peer_id: str) -> None:
-        """This client's own verification caught `peer_id` computing wrong results."""
+    async def judge(self, reports: list[tuple[str, FaultReport]]) -> None:
+        """Convict the peers that reports which hold accuse (JUDGED_PER_READ new ones at most)."""
+        fresh = 0
+        for reporter, report in reports:
+            key = report.evidence.receipt.signature
+            if reporter in self.discredited or key in self._verdicts or fresh >= JUDGED_PER_READ:
+                continue
+            fresh += 1
+            judgement = await asyncio.to_thread(judge_report, report, self.recomputer)
+            if judgement is None:
+                continue  # the model is too large to judge here: no verdict either way
+            self._verdicts[key] = judgement.guilty
+            if not judgement.guilty:
+                self.discredited.add(reporter)
+                log.warning(
+                    "a fault report against peer %s does not hold (its evidence: input off by %.2g, output by %.2g); "
+                    "ignoring the reports of %s", report.peer_id, judgement.input_error, judgement.output_error, reporter,
+                )
+        convicted = {
+            report.peer_id for reporter, report in reports
+            if reporter not in self.discredited and self._verdicts.get(report.evidence.receipt.signature)
+        }
+        self.access.take_reports(frozenset(convicted))
+
+    def catch(self, peer_id: str, reach: int = 0) -> None:
+        """This client's own verification caught `peer_id` computing wrong results within the
+        first `reach` positions of a session."""
         self.access.catch(peer_id)
+        self.suspect({peer_id}, reach)
+
+    def suspect(self, peers: set[str], reach: int = 0, canaries: int = 2) -> None:
+        """Peers whose results this client saw wrong, within a session's first `reach` positions,
+        without evidence others could check: canaries go through each, at least as far (a liar
+        may lie only past some length), to catch it signing a wrong receipt."""
+        for peer in peers - self.proven:
+            if peer in self.suspects or len(self.suspects) < MAX_SUSPECTS:
+                owed, far = self.suspects.get(peer, (0, 0))
+                self.suspects[peer] = (max(owed, canaries), max(far, reach))
+
+    def convict(self, peer_id: str) -> None:
+        """A canary's receipts proved `peer_id` wrong: distrusted, and suspected no more."""
+        self.access.catch(peer_id)
+        self.proven.add(peer_id)
+        self.suspects.pop(peer_id, None)
+
+    def next_suspect(self) -> tuple[str, int] | None:
+        """A suspect a canary is owed to, counted as served, and how far the canary should reach."""
+        for peer, (owed, reach) in self.suspects.items():
+            if owed > 0:
+                self.suspects[peer] = (owed - 1, reach)
+                return peer, reach
+        return None

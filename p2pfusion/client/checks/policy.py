@@ -8,21 +8,19 @@ whose size depends on the dtype peers compute in and the codecs hidden states cr
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Collection
 from enum import Enum
 
 import torch
 
-from p2pfusion.dht.records import FaultReport, PeerRecord
+from p2pfusion.dht.records import PeerRecord
 from p2pfusion.client.route.planner import expected_throughput, usable
 from p2pfusion.errors import RequestError
 from p2pfusion.net.compression import AUTO, Codec, Compression
 
 DEFAULT_RATE = 0.05  # chance that a step is checked; a generation's end is always checked
 MAX_REWINDS = 8  # wrong results caught in one generation before it gives up
-MIN_REPORTERS = 2  # distinct clients whose fault reports make others distrust a peer
 
 # Relative L2 error per position between two honest routes' final hidden states. Measured on the
 # default model (30 layers, 3 hops, a 60-token prefill): float32 prefill against token-by-token
@@ -46,17 +44,25 @@ FLIP_FLOOR = 1e-4
 HOP_SHARE = 0.25
 
 
-def check_rate(rate: float) -> float:
+def check_rate(rate: float, name: str = "verify") -> float:
     if not 0 <= rate <= 1:
-        raise RequestError(f"verify is a probability per step, from 0 to 1; got {rate}")
+        raise RequestError(f"{name} is a probability, from 0 to 1; got {rate}")
     return rate
 
 
-def tolerance(compression: Compression, dtype: torch.dtype, formats: Collection[str] = ()) -> float:
-    """The largest per-position relative error honest routes show, for a session's codec choice
-    (`auto` may have sent float16 on a slow link), the dtype of its hidden states and the weight
-    formats of the peers that may compute them."""
-    wire = WIRE_TOLERANCE[Codec.FLOAT16] if compression is AUTO else WIRE_TOLERANCE[compression]
+def tolerance(
+    compression: Compression, dtype: torch.dtype, formats: Collection[str] = (), codecs: Collection[Codec] | None = None
+) -> float:
+    """The largest per-position relative error honest routes show, for a session's codec choice,
+    the dtype of its hidden states and the weight formats of the peers that may compute them.
+    Under `auto`, `codecs` are those the states compared actually crossed the wire in (the hops'
+    signed receipts say); None: unknown, and float16 may have been one."""
+    if compression is not AUTO:
+        wire = WIRE_TOLERANCE[compression]
+    elif codecs is None:
+        wire = WIRE_TOLERANCE[Codec.FLOAT16]
+    else:
+        wire = max((WIRE_TOLERANCE[c] for c in codecs), default=0.0)
     weights = [FORMAT_TOLERANCE.get(f, math.inf) for f in formats]
     return max(COMPUTE_TOLERANCE.get(dtype, COMPUTE_TOLERANCE[torch.bfloat16]), wire, *weights)
 
@@ -97,21 +103,6 @@ def judge(primary_witness: bool, primary_third: bool | None, witness_third: bool
     if primary_third is None or witness_third is None or primary_third == witness_third:
         return Culprit.UNDECIDED
     return Culprit.WITNESS if primary_third else Culprit.PRIMARY
-
-
-def distrusted_by_reports(reports: list[tuple[str, FaultReport]], min_reporters: int = MIN_REPORTERS) -> set[str]:
-    """Peers accused by at least `min_reporters` distinct reporters: one client alone (or one liar
-    framing an honest peer) bans nobody. A peer's report against itself does not count."""
-    reporters: dict[str, set[str]] = {}
-    for reporter, report in reports:
-        if reporter != report.peer_id:
-            reporters.setdefault(report.peer_id, set()).add(reporter)
-    return {peer for peer, who in reporters.items() if len(who) >= min_reporters}
-
-
-def digest(tensor: torch.Tensor) -> str:
-    """sha256 of a tensor's float32 values, so a report names exactly what was compared."""
-    return hashlib.sha256(tensor.detach().float().contiguous().numpy().tobytes()).hexdigest()
 
 
 def _best_chain(

@@ -37,7 +37,7 @@ from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession,
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RouteError
-from p2pfusion.models.source import ModelSource
+from p2pfusion.net.compression import Codec
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +49,19 @@ Tokens = Callable[[torch.Tensor], torch.Tensor]  # final hidden states [b, t, h]
 
 class Verifier:
     def __init__(
-        self, session: ResilientSession, distrust: Distrust, source: ModelSource, rate: float, dtype: torch.dtype,
+        self, session: ResilientSession, distrust: Distrust, rate: float, dtype: torch.dtype,
         tokens: Tokens | None = None, seed: int | None = None,
     ):
         self.session = session
         self.access = session.access
-        self.blame = Blame(session, distrust, source, dtype)
+        self.blame = Blame(session, distrust, dtype)
         self.tokens = tokens  # the client's head, to compare what the routes' outputs choose
         self.rate = rate
         self.dtype = dtype
         self.off = tolerance(self.access.compression, dtype) == math.inf
         self.outputs: list[torch.Tensor] = []  # the route's output per step, beside session.history
         self.routes: list[tuple[PeerRecord, ...]] = []  # the route that computed each step
+        self.computed_by: list[RouteSession] = []  # and the session on it, whose receipts name its codecs
         self.mask: torch.Tensor | None = None  # the last step's, covering the whole sequence
         self.checked = 0  # positions whose outputs another route confirmed
         self._shadow: RouteSession | None = None
@@ -79,6 +80,7 @@ class Verifier:
         out = await self.session.step(hidden, mask, positions)
         self.outputs.append(out)
         self.routes.append(tuple(self.session.session.route))
+        self.computed_by.append(self.session.session)
         self.mask = mask
         return out
 
@@ -142,14 +144,17 @@ class Verifier:
                     self.checked = end
                     return None
                 claimed = torch.cat(self.outputs, dim=1)[:, start:end]
-                bar = self.blame.bar([*self._route_peers(start, end).values(), *self._shadow.route])
+                wire = self._codecs(start, end)
+                bar = self.blame.bar([*self._route_peers(start, end).values(), *self._shadow.route], codecs=wire)
                 errors = relative_errors(claimed, other, self._window_mask(start, end))
                 bad = first_mismatch(errors, bar)
                 flip = None if bad is not None else await self._first_flip(claimed, other, start, end, errors)
                 if bad is None and flip is None:
                     self.checked = end
                     return None
-                rewind = await self._mismatch(start + (bad if flip is None else flip), end, float(errors.max()), flip is not None)
+                rewind = await self._mismatch(
+                    start + (bad if flip is None else flip), end, float(errors.max()), flip is not None, wire
+                )
                 if rewind is None and flip is not None:
                     self.checked = end  # a near tie that honest rounding explains: nothing to redo
                     return None
@@ -188,16 +193,32 @@ class Verifier:
         hits = differ.any(dim=0).nonzero()
         return None if hits.numel() == 0 else chose[int(hits[0, 0])]
 
-    async def _near_tie(self, claimed: torch.Tensor, replayed: torch.Tensor | None) -> bool:
+    async def _near_tie(
+        self, claimed: torch.Tensor, replayed: torch.Tensor | None, wire: frozenset[Codec] | None
+    ) -> bool:
         """Whether a flip at one position is honest rounding: the route's own hops, replayed, give
-        its token again, or a state that differs from the claimed one by no more than the wire and
-        the compute dtype round (the same peers computed both, so their formats add nothing)."""
+        its token again, or a state that differs from the claimed one by no more than the wire
+        (`wire`: the codecs of both) and the compute dtype round (the same peers computed both, so
+        their formats add nothing)."""
         if replayed is None:
             return True
         tokens = await asyncio.to_thread(self.tokens, torch.cat([claimed, replayed]))
         if bool((tokens[:claimed.shape[0]] == tokens[claimed.shape[0]:]).all()):
             return True
-        return float(relative_errors(claimed, replayed).max()) <= tolerance(self.access.compression, self.dtype)
+        return float(relative_errors(claimed, replayed).max()) <= tolerance(self.access.compression, self.dtype, (), wire)
+
+    def _codecs(self, start: int, end: int) -> frozenset[Codec] | None:
+        """The codecs positions [start, end) crossed the wire in, on the route that computed them
+        and on the shadow, where the hops' receipts say (None: not known for all of them)."""
+        position, sessions = 0, set()
+        for out, session in zip(self.outputs, self.computed_by):
+            if position < end and position + out.shape[1] > start:
+                sessions.add(session)
+            position += out.shape[1]
+        if len(sessions) != 1 or self._shadow is None:
+            return None
+        main, shadow = sessions.pop().signed.codecs(start, end), self._shadow.signed.codecs(start, end)
+        return None if main is None or shadow is None else main | shadow
 
     def _choosing(self, start: int, end: int) -> list[int]:
         """The positions of [start, end) whose outputs chose a token: each step's last."""
@@ -214,6 +235,7 @@ class Verifier:
         await self.session.rewind(length)
         self.outputs = cut(self.outputs, length)
         self.routes = self.routes[:len(self.outputs)]
+        self.computed_by = self.computed_by[:len(self.outputs)]
         self.checked = min(self.checked, length)
         await self._drop_shadow()
 
@@ -287,7 +309,9 @@ class Verifier:
 
     # finding the peer at fault
 
-    async def _mismatch(self, position: int, end: int, error: float, flip: bool = False) -> int | None:
+    async def _mismatch(
+        self, position: int, end: int, error: float, flip: bool = False, wire: frozenset[Codec] | None = None
+    ) -> int | None:
         """The route's output at `position` differs from the checking route's (with `flip`, only in
         the token it chooses): find out who is wrong. Returns the position to rewind to, or None
         when the checking route was the wrong one, or, for a flip, when it is a near tie that
@@ -305,11 +329,13 @@ class Verifier:
         if caught & {r.peer_id for r in route}:
             return position
         claimed = torch.cat(self.outputs, dim=1)[:, position:end]
-        if flip and await self._near_tie(claimed[:, :1], None if agreed is None else agreed[:, position:position + 1]):
+        # what the claimed states and their replay crossed the wire in, where receipts say
+        wire = None if wire is None or self.blame.wire is None else wire | self.blame.wire
+        if flip and await self._near_tie(claimed[:, :1], None if agreed is None else agreed[:, position:position + 1], wire):
             log.info("two routes chose different tokens at position %d, a near tie the route's replay explains", position)
             return None
         mask = self._window_mask(position, end)
-        bar = self.blame.bar([*route, *sources])
+        bar = self.blame.bar([*route, *sources], codecs=wire)
         if not flip and agreed is not None and first_mismatch(relative_errors(claimed, agreed[:, position:end], mask), bar) is None:
             self.blame.ban(checker - {r.peer_id for r in route})  # the checking route erred, and not on replay
             return None

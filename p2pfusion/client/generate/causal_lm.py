@@ -15,6 +15,7 @@ import torch
 
 from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
+from p2pfusion.client.canary import Canaries
 from p2pfusion.client.core import ClientCore
 from p2pfusion.client.generate.conversation import Conversation, Generated
 from p2pfusion.client.generate.greedy import HeadBatcher
@@ -45,6 +46,7 @@ class RemoteCausalLM:
         # greedy tokens through bounds on the head's logits (generate/screen.py); False: not built yet
         self._heads: HeadBatcher | None | bool = False if core.options.screen_head else None
         self.lockstep = Lockstep()  # decoding sessions step together (generate/lockstep.py)
+        self.canaries = Canaries(core)  # sessions of its own, sent after generations (client/canary.py)
 
     @classmethod
     def build(
@@ -116,7 +118,7 @@ class RemoteCausalLM:
         batch, tokens = input_ids.shape
         embeds = self.head.get_input_embeddings()(input_ids).detach().to(self.core.options.dtype)
         chunks = split_batch(embeds, None, torch.arange(tokens).expand(batch, -1))
-        session = TuningSession(self.core.session(tokens, purpose=Purpose.TRAINING))
+        session = TuningSession(self.core.session(tokens, purpose=Purpose.TRAINING), self.core.forward_check())
         try:
             out = (await session.forward(chunks, None)).requires_grad_(True)
             loss = self.head(inputs_embeds=out, labels=labels).loss

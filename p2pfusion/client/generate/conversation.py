@@ -160,6 +160,7 @@ class Conversation:
             await self.close()  # a step may be half done: the peers' caches are no longer known
             raise
         text = model.tokenizer.decode(out, skip_special_tokens=True) if decode else ""
+        model.canaries.after_generation()
         return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds, times)
 
     async def _check(self, final: bool, hold: bool) -> int | None:

@@ -28,7 +28,7 @@ from p2pfusion.client.route.allowlist import TrustedGap
 from p2pfusion.client.route.claims import FalseClaim
 from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.pings import SCREEN_CONCURRENCY
-from p2pfusion.client.route.planner import expected_throughput, find_route, usable
+from p2pfusion.client.route.planner import expected_throughput, find_route, pinned, usable
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
@@ -53,6 +53,7 @@ class ResilientSession:
         purpose: Purpose = Purpose.INFERENCE,
         batch: int = 1,
         first: int = 0,
+        through: str | None = None,
     ):
         self.access = access
         self.length = length  # the most positions it holds
@@ -60,6 +61,7 @@ class ResilientSession:
         self.purpose = purpose
         self.batch = batch  # sequences per step the peers make room for; a wider step opens again
         self.first = first  # the layer routes start at: the client runs those before it (client/generate/local_layers.py)
+        self.through = through  # a peer every route must use, even one avoided (a canary's suspect: client/canary.py)
         self.session: RouteSession | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0
@@ -86,6 +88,9 @@ class ResilientSession:
                 records = await access.records(self.first)
                 self._known = {r.peer_id: r for r in records}
                 avoid = access.health.banned(records) | self._avoided(records) | access.distrusted | access.health.skipped()
+                if self.through is not None:
+                    records = pinned(records, self.through)
+                    avoid.discard(self.through)
                 route = await self._route(records, avoid, recovering)
                 self.session = await RouteSession(
                     access.swarm.transport, route, self.length, access.compression, access.links, self.purpose,

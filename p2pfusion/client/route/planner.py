@@ -43,6 +43,16 @@ def _ranges(flags: list[bool]) -> list[tuple[int, int]]:
     return runs
 
 
+def pinned(records: list[PeerRecord], peer_id: str) -> list[PeerRecord]:
+    """The records a route through `peer_id` may use: its own, and those of other peers whose
+    layers do not overlap its (empty when it has no record)."""
+    own = [r for r in records if r.peer_id == peer_id]
+    if not own:
+        return []
+    start, end = own[0].start, own[0].end
+    return [r for r in records if r.peer_id == peer_id or r.end <= start or r.start >= end]
+
+
 def missing_layers(records: list[PeerRecord], num_layers: int, first: int = 0) -> list[tuple[int, int]]:
     """Ranges [start, end) from layer `first` on that none of these peers serves."""
     return _ranges([not ok for ok in _covered(records, num_layers, first)])

@@ -25,10 +25,12 @@ from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import pack
 from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.pieces import chunk_sizes
+from p2pfusion.client.route.receipts import SignedSteps
 from p2pfusion.net.compression import AUTO, Compression, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import BadTensor, FrameError, FrameLimits, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import mask_to_wire, positions_to_wire, unflatten
+from p2pfusion.net.receipts import RECEIPT_BYTES
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ STEP_TIMEOUT = 60.0
 # What a peer's reply may hold: a step's output or gradient (MAX_STEP_TOKENS positions of a
 # hidden size up to 16,384, float32), or an adapter's gradients, of the same order at most.
 MAX_REPLY_BYTES = m.MAX_STEP_TOKENS * 16384 * 4
-REPLY_LIMITS = FrameLimits(header=1 << 20, body=MAX_REPLY_BYTES, decoded=MAX_REPLY_BYTES, tensor_kinds=m.TENSOR_KINDS)
+REPLY_LIMITS = FrameLimits(header=(1 << 20) + m.MAX_ROUTE * RECEIPT_BYTES, body=MAX_REPLY_BYTES, decoded=MAX_REPLY_BYTES, tensor_kinds=m.TENSOR_KINDS)
 
 
 class RouteSession:
@@ -69,6 +71,7 @@ class RouteSession:
         self.seconds = 0.0  # the last step's wall time, as this client saw it
         self.strays: dict[str, int] = {}  # peers that sent frames their stream may not carry: how many
         self.liars: set[str] = set()  # hops that passed on a claim the client's ping found false
+        self.signed = SignedSteps(self.session_id, route)  # the hops' receipts of its steps
         self._step = 0
         self._sent_at: dict[int, float] = {}  # when each step awaiting its reply was sent
         self._head = None
@@ -313,6 +316,8 @@ class RouteSession:
         training = self.purpose == Purpose.TRAINING and self.seconds > 0
         budget = self.seconds / len(self.route) if training else None
         choice = choose_codec(link, tensor.numel() * 4, self.purpose, self.compression, budget)
+        if isinstance(message, m.Step):
+            self.signed.sent(message.step, choice.codec)
         await self._write(writer, record, m.to_header(message), pack(tensor, choice.codec, choice.k))
 
     @staticmethod
@@ -351,6 +356,8 @@ class RouteSession:
 
     def _take_output(self, reply: m.Result | m.Backward, tensor: torch.Tensor) -> None:
         self._early[(reply.kind, reply.step)] = tensor
+        if isinstance(reply, m.Result):
+            self.signed.take(reply.receipts, reply.certs)
 
     # what each kind the streams admit (client/route/claims.py) does on its way to a step's reply
     _TAKE = {m.Leaving: _take_leaving, m.Error: _take_error, m.ParamGrads: _take_param_grads,

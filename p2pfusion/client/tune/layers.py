@@ -37,7 +37,7 @@ class SwarmLayers:
         up once, and the parameters are sent again only when their values change."""
         if self._tuning is None:
             length = self.run(self.core.longest_session())
-            self._tuning = TuningSession(self.core.session(length, purpose=Purpose.TRAINING))
+            self._tuning = TuningSession(self.core.session(length, purpose=Purpose.TRAINING), self.core.forward_check())
         return self._tuning
 
     def forward_once(

@@ -16,10 +16,12 @@ import logging
 
 import torch
 
+from p2pfusion.client.checks.forward import ForwardCheck
+from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.pieces import Chunk
-from p2pfusion.errors import PeerFailed
+from p2pfusion.errors import PeerFailed, RouteError
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +29,24 @@ STEP_TIMEOUT = 300.0  # a whole batch's pass on slow peers
 
 
 class TuningSession:
-    def __init__(self, connection: ResilientSession):
+    def __init__(self, connection: ResilientSession, check: ForwardCheck | None = None):
         self.connection = connection  # a training session (backward passes); it finds routes and fails over
+        self.check = check  # checks a sample of forwards against another route (None: none)
         self.recoveries = 0
 
     async def forward(self, chunks: list[Chunk], params: SessionParams | None) -> torch.Tensor:
-        """The last stage's output for the chunks' sequences, in order, as one batch."""
-        while True:
+        """The last stage's output for the chunks' sequences, in order, as one batch; computed
+        again on another route when a check finds it wrong."""
+        for _ in range(MAX_REWINDS):
             try:
                 await self._ready(params)
-                return torch.cat(await self._forward(chunks), dim=0)
+                outputs = await self._forward(chunks)
+                if self.check is None or await self.check.holds(self.connection, chunks, outputs):
+                    return torch.cat(outputs, dim=0)
+                await self.connection.drop()  # the liar is avoided now: the next route goes without it
             except PeerFailed as exc:
                 await self._recover(exc)
+        raise RouteError(f"a fine-tuning forward failed verification or its route {MAX_REWINDS} times")
 
     async def backward(
         self, chunks: list[Chunk], grad: torch.Tensor

@@ -1,0 +1,264 @@
+"""Canary sessions: a client's own synthetic chats, sent like a user's, whose every hop it checks.
+
+A canary is a chat prompt in the model's chat template, short (a question from PROMPTS) or long
+(a passage of Python's own documentation to summarize, `pydoc_data`, present on every machine),
+sent through an ordinary session: a prefill, then greedy decode steps of one token, with a
+session length drawn as a user's client would ask for. Nothing on the wire tells a peer it is a canary, so a peer that
+lies only when it believes no one checks lies to canaries as often as to users. The client
+computes the canary's every layer itself (client/checks/local.py) and judges each hop's signed
+receipts against it (client/checks/evidence.py). A receipt that its signer's own input rows say
+was computed from the canary's true states, and whose output is wrong, is published as a fault
+report: it carries only the canary's tokens and the peer's receipts, never a user's data, and
+any client can recompute it. Hops that sent no valid receipts, or receipts that contradict the
+hop next to them or the format their record announces, are avoided by this client only.
+
+Canaries run after a generation, one at a time: always while a peer is suspected (this client saw
+wrong results it could not pin on a peer with evidence: client/checks/distrust.py), and at
+random with the `canaries` option's chance otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+
+from p2pfusion.client.checks.evidence import Judgement, judge_receipt
+from p2pfusion.client.core import ClientCore
+from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.checks.distrust import REPORT_TIMEOUT
+from p2pfusion.dht.records import FaultReport, PeerRecord
+from p2pfusion.dht.validation import MAX_FAULT_BYTES
+from p2pfusion.errors import ModelError, PeerFailed, ProofError, RouteError
+from p2pfusion.net.receipts import MAX_CANARY_TOKENS, Evidence, Receipt, ReceiptCert, chain, rows_of
+from p2pfusion.net.wire import encode
+
+log = logging.getLogger(__name__)
+
+PROMPTS = (
+    "How do I boil an egg?", "Give me a name for a grey cat.", "What is the capital of Peru?",
+    "Write a haiku about rain.", "Why is the sky blue?", "Suggest a quick pasta dinner.",
+    "How far is the Moon?", "Translate 'good morning' to French.", "What rhymes with orange?",
+    "List three uses for baking soda.", "Explain what a prime number is.", "Tell me a short joke.",
+)
+NEW_TOKENS = (4, 48)  # a canary's greedy tokens, drawn in this range
+MAX_IN_A_ROW = 8  # canaries sent one after the other after a generation, at most
+LONG = 0.5  # the share of canaries with a long prompt
+LONG_CHARACTERS = (300, 3000)  # of a long prompt's passage, drawn in this range
+USER_LENGTHS = (64, 128, 256, 512)  # `max_new_tokens` a one-off generation commonly asks for
+
+
+@dataclass
+class CanaryResult:
+    route: list[str]
+    tokens: list[int]  # the prompt's, then those generated
+    prompt: int
+    convicted: dict[str, Judgement] = field(default_factory=dict)  # peers whose receipts convict them
+    wrong: dict[str, Receipt] = field(default_factory=dict)  # the receipt that convicts each
+    receipts: list[Receipt] = field(default_factory=list)  # every hop's, of the session's last route
+    certs: dict[str, ReceiptCert] = field(default_factory=dict)
+    avoided: set[str] = field(default_factory=set)  # peers with missing or inconsistent receipts
+    reported: set[str] = field(default_factory=set)  # convicted peers whose report reached the DHT
+
+
+class Canaries:
+    def __init__(self, core: ClientCore, seed: int | None = None):
+        self.core = core
+        self._rng = random.Random(seed)
+        self._running: asyncio.Task | None = None  # one canary at a time
+
+    def after_generation(self) -> None:
+        """Start canaries in the background if any are owed (none while some run): one after the
+        other, every one owed to a suspect (MAX_IN_A_ROW at most), then one with the `canaries`
+        option's chance."""
+        if self._running is not None and not self._running.done():
+            return
+        random_one = self._rng.random() < self.core.options.canaries
+        if random_one or any(owed for owed, _ in self.core.distrust.suspects.values()):
+            self._running = self.core.spawn(self._owed(random_one))
+
+    async def wait(self) -> None:
+        """Until the canaries under way, if any, have ended."""
+        if self._running is not None:
+            await asyncio.wait([self._running])
+
+    async def _owed(self, random_one: bool) -> None:
+        for _ in range(MAX_IN_A_ROW):
+            suspect = self.core.distrust.next_suspect()
+            if suspect is None:
+                break
+            await self._quietly(*suspect)
+        if random_one:
+            await self._quietly(None, 0)
+
+    async def _quietly(self, through: str | None, reach: int) -> None:
+        try:
+            await self.run(through, reach)
+        except (PeerFailed, RouteError, TimeoutError, OSError) as exc:
+            log.info("a canary session did not finish: %s", exc)
+
+    def prompt(self, room: int, least: int = 0) -> list[int]:
+        """A chat prompt as users send them, of at least `least` and at most `room` tokens (random
+        tokens for a model without a chat template)."""
+        core = self.core
+        try:
+            tokenizer = core.tokenizer
+        except ModelError:
+            tokenizer = None
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            count = self._rng.randint(min(max(8, least), room), min(max(96, least), room))
+            return [self._rng.randrange(core.config.vocab_size) for _ in range(count)]
+        long, text = least > 0 or self._rng.random() < LONG, ""
+        while True:
+            if long:
+                text += self._passage()
+                content = f"Summarize this:\n\n{text}"
+            else:
+                content = self._rng.choice(PROMPTS)
+            message = [{"role": "user", "content": content}]
+            ids = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True, return_dict=False)
+            if len(ids) >= min(least, room):
+                return list(ids)[-room:]
+
+    def _passage(self) -> str:
+        from pydoc_data.topics import topics
+
+        text = topics[self._rng.choice(sorted(topics))]
+        size = self._rng.randint(*LONG_CHARACTERS)
+        start = self._rng.randrange(max(len(text) - size, 1))
+        return text[start:start + size]
+
+    async def run(self, through: str | None = None, reach: int = 0) -> CanaryResult:
+        """One canary session, through peer `through` if given, reaching past `reach` positions
+        where the swarm and MAX_CANARY_TOKENS allow; its hops judged, and the peers its receipts
+        convict reported."""
+        core = self.core
+        longest = await core.longest_session()
+        new = self._rng.randint(*NEW_TOKENS)
+        ids = self.prompt(min(longest, MAX_CANARY_TOKENS) - new, reach + 1 - new)
+        if self._rng.random() < 0.5:  # a chat keeps its session as long as the swarm allows
+            length = longest
+        else:
+            length = min(len(ids) + self._rng.choice(USER_LENGTHS), longest)
+        await core.shared("distrust", core.distrust.refresh)
+        session = core.session(length, through=through)
+        try:
+            tokens = await self._generate(session, ids, new)
+            route = list(session.session.route)
+            receipts, certs = list(session.session.signed.receipts), dict(session.session.signed.certs)
+            session_id = session.session.session_id
+        finally:
+            await session.close()
+        result = CanaryResult([r.peer_id for r in route], tokens, len(ids), receipts=receipts, certs=certs)
+        sent = tokens[:-1]  # the last token chosen is never sent
+        states = await asyncio.to_thread(core.recomputer.states, sent, sorted({r.start for r in route} | {r.end for r in route}))
+        if states is None:
+            return result
+        for i, hop in enumerate(route):
+            mine = sorted((r for r in receipts if r.peer_id == hop.peer_id and r.session == session_id), key=lambda r: r.step)
+            if not self._judge_hop(hop, mine, certs.get(hop.peer_id), states, result):
+                result.avoided |= {r.peer_id for r in route[i:]}
+        self._consistent(route, receipts, session_id, result)
+        for peer in result.avoided - set(result.convicted):
+            log.warning("peer %s sent receipts that do not hold for a canary; avoiding it", peer)
+            core.health.failed(peer, 0.0)
+        await self._report(result, route, receipts, certs, sent)
+        return result
+
+    async def _generate(self, session: ResilientSession, ids: list[int], new: int) -> list[int]:
+        core, embed = self.core, self.core.head.get_input_embeddings()
+        with torch.inference_mode():
+            hidden = embed(torch.tensor([ids])).to(core.options.dtype)
+        out = await session.step(hidden)
+        tokens = list(ids)
+        for i in range(new):
+            token = int((await asyncio.to_thread(core.greedy_tokens, out[:, -1:]))[0, -1])
+            tokens.append(token)
+            if i < new - 1:
+                with torch.inference_mode():
+                    hidden = embed(torch.tensor([[token]])).to(core.options.dtype)
+                out = await session.step(hidden)
+        return tokens
+
+    def _judge_hop(
+        self, hop: PeerRecord, receipts: list[Receipt], cert: ReceiptCert | None, states: dict[int, torch.Tensor],
+        result: CanaryResult,
+    ) -> bool:
+        """Convict the hop on the first of its receipts that its own inputs say it computed wrong,
+        or avoid it for receipts of another format than its record's or out of chain. False when
+        its receipts are missing or their signatures do not hold: it did not sign, or a hop after
+        it dropped or changed what it signed."""
+        if cert is None or not receipts:
+            return False
+        try:
+            key = cert.verify()
+            for receipt in receipts:
+                receipt.verify(key)
+        except ProofError:
+            return False
+        if any(r.weights != hop.weights or r.batch != 1 for r in receipts):
+            result.avoided.add(hop.peer_id)
+            return True
+        steps, history, offset = [], b"", 0
+        for receipt in receipts:
+            history = chain(history, receipt.rows)
+            if receipt.offset != offset:
+                return False  # a step's receipt is missing
+            if receipt.history != history:
+                result.avoided.add(hop.peer_id)
+                return True
+            steps.append((offset, receipt.tokens, rows_of(receipt.rows)))
+            offset += receipt.tokens
+            end = receipt.offset + receipt.tokens
+            judgement = judge_receipt(receipt, steps, states[hop.start], states[hop.end][:, receipt.offset:end])
+            if judgement.guilty:
+                result.convicted[hop.peer_id], result.wrong[hop.peer_id] = judgement, receipt
+                return True
+        return True
+
+    @staticmethod
+    def _consistent(route: list[PeerRecord], receipts: list[Receipt], session_id: str, result: CanaryResult) -> None:
+        """Each step's output a hop signed must be the input the next hop signed: where two
+        neighbours' digests differ, one of them lies about the bytes between them, and nothing
+        shows which. Both are avoided."""
+        signed = {(r.peer_id, r.step): r for r in receipts if r.session == session_id}
+        for a, b in zip(route, route[1:]):
+            for (peer, step), sent in signed.items():
+                got = signed.get((b.peer_id, step))
+                if peer == a.peer_id and got is not None and got.input_digest != sent.output_digest:
+                    result.avoided |= {a.peer_id, b.peer_id}
+
+    async def _report(
+        self, result: CanaryResult, route: list[PeerRecord], receipts: list[Receipt], certs: dict[str, ReceiptCert],
+        tokens: list[int],
+    ) -> None:
+        """Distrust the convicted peers and publish the evidence against each."""
+        core = self.core
+        for hop in route:
+            judgement = result.convicted.get(hop.peer_id)
+            if judgement is None:
+                continue
+            core.distrust.convict(hop.peer_id)
+            log.warning(
+                "peer %s signed a wrong result for layers %d:%d in a canary session (relative error %.2g, bar %.2g); "
+                "reporting it with the evidence", hop.peer_id, hop.start, hop.end, judgement.output_error, judgement.bar,
+            )
+            wrong = result.wrong[hop.peer_id]
+            earlier = [(r.tokens, r.rows) for r in sorted(receipts, key=lambda r: r.step)
+                       if r.peer_id == hop.peer_id and r.session == wrong.session and r.step < wrong.step]
+            evidence = Evidence(tokens[:wrong.offset + wrong.tokens], certs[hop.peer_id], wrong, earlier)
+            report = FaultReport(hop.peer_id, hop.start, hop.end, judgement.output_error, evidence, time.time())
+            size = len(msgpack.packb(encode(report), use_bin_type=True))
+            if size > MAX_FAULT_BYTES - 1024:
+                log.warning("the evidence against peer %s takes %d bytes, too many for the DHT: not reported", hop.peer_id, size)
+                continue
+            try:
+                if await asyncio.wait_for(core.swarm.report_faulty(core.access().model, report), REPORT_TIMEOUT):
+                    result.reported.add(hop.peer_id)
+            except (TimeoutError, OSError) as exc:
+                log.warning("could not report peer %s: %r", hop.peer_id, exc)

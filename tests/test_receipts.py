@@ -1,0 +1,138 @@
+"""Receipts and the judgement of their evidence, without a network (net/receipts.py,
+client/checks/evidence.py): signatures that bind a receipt to its peer's identity, a history that
+binds the session's earlier inputs, sketches that a recomputation lands within rounding of, and a
+bar set by the signer's own format and codec."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from p2pfusion.client.checks.evidence import INPUT_BAR, judge_receipt, output_bar
+from p2pfusion.client.route.receipts import SignedSteps
+from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.errors import ProofError
+from p2pfusion.net.compression import Codec
+from p2pfusion.net.identity import Identity
+from p2pfusion.net.receipts import SKETCHED, Evidence, Receipt, ReceiptKey, rows_of, sketch
+from p2pfusion.net.wire import WireError, decode_as, encode
+from tests.receipts import HIDDEN, signed_steps
+
+SIZES = [3, 1, 1]
+
+
+@pytest.fixture(scope="module")
+def key() -> ReceiptKey:
+    return ReceiptKey(Identity.create())
+
+
+def states(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    inputs = torch.randn(1, sum(SIZES), HIDDEN)
+    return inputs, torch.tanh(inputs) * 3  # any function stands for the layers
+
+
+def steps_of(receipts: list[Receipt]) -> list[tuple[int, int, torch.Tensor]]:
+    return [(r.offset, r.tokens, rows_of(r.rows)) for r in receipts]
+
+
+def test_a_receipt_is_bound_to_its_peer_and_content(key):
+    inputs, outputs = states()
+    receipt = signed_steps(key, inputs, outputs, SIZES)[-1]
+    receipt.verify(key.cert.verify())
+    assert decode_as(Receipt, encode(receipt)) == receipt
+    with pytest.raises(ProofError):  # any field changed: the signature no longer holds
+        dataclasses.replace(receipt, weights="int4").verify(key.cert.verify())
+    other = ReceiptKey(Identity.create())
+    with pytest.raises(ProofError):  # another peer's key
+        receipt.verify(other.cert.verify())
+    with pytest.raises(ProofError):  # a certificate claiming another peer id
+        dataclasses.replace(other.cert, peer_id=key.peer_id).verify()
+    with pytest.raises(ProofError):
+        key.cert.verify(now=key.cert.expires + 1)
+    with pytest.raises(WireError):  # sketches must cover the positions the receipt names
+        decode_as(Receipt, {**encode(receipt), "tokens": 2})
+
+
+def test_evidence_binds_the_earlier_inputs(key):
+    inputs, outputs = states()
+    receipts = signed_steps(key, inputs, outputs, SIZES)
+    evidence = Evidence(list(range(5)), key.cert, receipts[-1], [(r.tokens, r.rows) for r in receipts[:-1]])
+    assert [(first, tokens) for first, tokens, _ in evidence.verify()] == [(0, 3), (3, 1), (4, 1)]
+    forged_rows = bytes(len(receipts[0].rows))
+    with pytest.raises(ProofError):  # other earlier inputs than those the peer signed
+        dataclasses.replace(evidence, earlier=[(3, forged_rows), (1, receipts[1].rows)]).verify()
+    with pytest.raises(ProofError):
+        dataclasses.replace(evidence, earlier=[(3, receipts[0].rows)]).verify()
+
+
+def test_a_recomputation_within_rounding_acquits_and_a_lie_convicts(key):
+    inputs, outputs = states()
+    recomputed_in = inputs + 1e-7 * torch.randn_like(inputs)  # another machine's float32
+    recomputed_out = outputs + 1e-7 * torch.randn_like(outputs)
+    receipts = signed_steps(key, inputs, outputs, SIZES)
+    for receipt in receipts:
+        part = slice(receipt.offset, receipt.offset + receipt.tokens)
+        upto = [s for s in steps_of(receipts) if s[0] <= receipt.offset]
+        assert not judge_receipt(receipt, upto, recomputed_in, recomputed_out[:, part]).guilty
+    for size in (1e-3, 1e-2):  # a lie on the last step, as a fraction of the state's norm
+        lied = outputs.clone()
+        lied[:, -1] += size * outputs[:, -1].norm() * torch.nn.functional.normalize(torch.randn(HIDDEN), dim=0)
+        receipts = signed_steps(key, inputs, lied, SIZES)
+        judgement = judge_receipt(receipts[-1], steps_of(receipts), recomputed_in, recomputed_out[:, -1:])
+        assert judgement.guilty and judgement.output_error > judgement.bar
+
+
+def test_a_peer_given_other_inputs_is_not_convicted(key):
+    """A framing client that fed a peer other states (or names other tokens) proves nothing: the
+    peer's own input rows show its input was not the canary's."""
+    inputs, outputs = states()
+    receipts = signed_steps(key, inputs, outputs, SIZES)
+    other_in, other_out = states(seed=1)
+    judgement = judge_receipt(receipts[-1], steps_of(receipts), other_in, other_out[:, -1:])
+    assert not judgement.guilty and judgement.input_error > INPUT_BAR and math.isnan(judgement.output_error)
+
+
+def test_the_bar_is_the_signers_own_format_and_codec(key):
+    inputs, outputs = states()
+    base = signed_steps(key, inputs, outputs, SIZES)[-1]
+    assert output_bar(base, 0.0) < 1e-3
+    assert output_bar(dataclasses.replace(base, weights="int4"), 0.0) > 1
+    assert output_bar(dataclasses.replace(base, codec=Codec.FLOAT16), 0.0) > 2e-2
+    assert output_bar(dataclasses.replace(base, codec=Codec.TOPK), 0.0) == math.inf
+    assert output_bar(base, 1e-3) > output_bar(base, 0.0) + 9e-3  # what its layers may grow of the input's error
+
+
+def test_long_steps_are_sketched_in_blocks():
+    torch.manual_seed(0)
+    values = torch.randn(2, 100, HIDDEN)
+    rows = sketch(values, b"seed")
+    assert rows.shape == (SKETCHED, 8)
+    assert torch.allclose(sketch(values + 1e-6, b"seed"), rows, atol=1e-4)
+    assert sketch(values[:, :3], b"seed").shape == (6, 8)
+
+
+def test_a_session_reads_the_codecs_its_hops_signed(key):
+    """What a check's bar under `auto` rests on: this client's own sends and the hops' signed
+    receipts; a receipt that does not verify, or a certificate in another's name, counts for none."""
+    inputs, outputs = states()
+    hop = PeerRecord("m", key.peer_id, [], 1, 3, PeerState.ONLINE, 1.0, None, "cpu")
+    receipts = signed_steps(key, inputs, outputs, SIZES, codec=Codec.FLOAT16)
+    receipts = [dataclasses.replace(r, session="s") for r in receipts]
+    signed = SignedSteps("s", [hop])
+    stranger = ReceiptKey(Identity.create())
+    signed.take(receipts, [dataclasses.replace(stranger.cert, peer_id=key.peer_id), key.cert])
+    for step in range(1, 4):
+        signed.sent(step, Codec.NONE)
+    assert signed.certs[key.peer_id] == key.cert
+    assert signed.codecs(0, 5) is None  # re-sessioned: the signatures no longer hold
+    receipts = signed_steps(key, inputs, outputs, SIZES, codec=Codec.FLOAT16, session="s")
+    signed = SignedSteps("s", [hop])
+    signed.take(receipts, [key.cert])
+    for step in range(1, 4):
+        signed.sent(step, Codec.NONE)
+    assert signed.codecs(0, 5) == {Codec.NONE, Codec.FLOAT16}
+    assert signed.codecs(0, 6) is None  # a position no receipt covers
+    signed.take([dataclasses.replace(receipts[0], codec=Codec.NONE)], [])  # changed on the way: not signed so
+    assert signed.codecs(0, 3) is None
