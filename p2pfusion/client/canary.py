@@ -3,8 +3,9 @@
 A canary is a chat prompt in the model's chat template, short (a question from PROMPTS) or long
 (a passage of Python's own documentation to summarize, `pydoc_data`, present on every machine),
 sent through an ordinary session: a prefill, then greedy decode steps of one token, with a
-session length drawn as a user's client would ask for. Nothing on the wire tells a peer it is a canary, so a peer that
-lies only when it believes no one checks lies to canaries as often as to users. The client
+session length drawn as a user's client would ask for. Nothing on the wire tells a peer it is a
+canary, so a peer that lies only when it believes no one checks lies to canaries as often as to
+users. The client
 computes the canary's every layer itself (client/checks/local.py) and judges each hop's signed
 receipts against it (client/checks/evidence.py). A receipt that its signer's own input rows say
 was computed from the canary's true states, and whose output is wrong, is published as a fault
@@ -12,9 +13,9 @@ report: it carries only the canary's tokens and the peer's receipts, never a use
 any client can recompute it. Hops that sent no valid receipts, or receipts that contradict the
 hop next to them or the format their record announces, are avoided by this client only.
 
-Canaries run after a generation, one at a time: always while a peer is suspected (this client saw
-wrong results it could not pin on a peer with evidence: client/checks/distrust.py), and at
-random with the `canaries` option's chance otherwise.
+Canaries run after a generation, one after the other: those owed to suspects (peers this client
+saw wrong results from, which only evidence can show others: client/checks/distrust.py), and
+one more with the `canaries` option's chance.
 """
 
 from __future__ import annotations
@@ -113,17 +114,18 @@ class Canaries:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             count = self._rng.randint(min(max(8, least), room), min(max(96, least), room))
             return [self._rng.randrange(core.config.vocab_size) for _ in range(count)]
-        long, text = least > 0 or self._rng.random() < LONG, ""
+        long = least > 0 or self._rng.random() < LONG
+        text = self._passage() if long else self._rng.choice(PROMPTS)
         while True:
-            if long:
-                text += self._passage()
-                content = f"Summarize this:\n\n{text}"
-            else:
-                content = self._rng.choice(PROMPTS)
+            content = f"Summarize this:\n\n{text}" if long else text
             message = [{"role": "user", "content": content}]
-            ids = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True, return_dict=False)
-            if len(ids) >= min(least, room):
-                return list(ids)[-room:]
+            ids = list(tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=True, return_dict=False))
+            if long and len(ids) > room:  # a shorter passage, not a prompt cut short
+                text = text[:len(text) * room // len(ids) - 1]
+            elif long and len(ids) < min(least, room):
+                text += self._passage()
+            else:
+                return ids[-room:]
 
     def _passage(self) -> str:
         from pydoc_data.topics import topics

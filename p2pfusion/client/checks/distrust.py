@@ -2,20 +2,24 @@
 fault report in the DHT convicts, by this client's own judgement of the report's evidence
 (client/checks/evidence.py), read again every REFRESH_SECONDS. Reports are evidence, not votes:
 one that holds convicts however few wrote it; one that does not convicts nobody and discredits
-its signer (its other reports are ignored). And the peers it suspects: those whose results it saw
+its signer (its reports not judged yet are no longer judged). And the peers it suspects: those whose results it saw
 wrong without evidence to show, which canaries (client/canary.py) go through."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import time
+
+import msgpack
 
 from p2pfusion.client.checks.evidence import judge_report
 from p2pfusion.client.checks.local import Recomputer
 from p2pfusion.client.route.access import SwarmAccess
 from p2pfusion.dht.records import FaultReport
+from p2pfusion.net.wire import encode
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +27,12 @@ REFRESH_SECONDS = 30.0  # how often other clients' fault reports are read again
 REPORT_TIMEOUT = 10.0
 JUDGED_PER_READ = 4  # new reports judged per read: each costs a canary's computation here
 MAX_SUSPECTS = 64
+
+
+def evidence_key(report: FaultReport) -> bytes:
+    """What a verdict is remembered by: all of the evidence (a copy with one field changed is
+    another evidence, judged on its own)."""
+    return hashlib.sha256(msgpack.packb(encode(report.evidence), use_bin_type=True)).digest()
 
 
 class Distrust:
@@ -34,7 +44,7 @@ class Distrust:
         self.suspects: dict[str, tuple[int, int]] = {}  # peer id -> (canaries still owed to it, positions they reach)
         self.discredited: set[str] = set()  # signers of reports that did not hold
         self.proven: set[str] = set()  # peers this client's own canaries convicted: no more canaries owed
-        self._verdicts: dict[bytes, bool] = {}  # a report's receipt signature -> whether it convicts
+        self._verdicts: dict[bytes, bool] = {}  # a report's evidence, by digest -> whether it convicts
         self._read_at = -math.inf
 
     async def refresh(self) -> None:
@@ -52,7 +62,7 @@ class Distrust:
         """Convict the peers that reports which hold accuse (JUDGED_PER_READ new ones at most)."""
         fresh = 0
         for reporter, report in reports:
-            key = report.evidence.receipt.signature
+            key = evidence_key(report)
             if reporter in self.discredited or key in self._verdicts or fresh >= JUDGED_PER_READ:
                 continue
             fresh += 1
@@ -66,10 +76,8 @@ class Distrust:
                     "a fault report against peer %s does not hold (its evidence: input off by %.2g, output by %.2g); "
                     "ignoring the reports of %s", report.peer_id, judgement.input_error, judgement.output_error, reporter,
                 )
-        convicted = {
-            report.peer_id for reporter, report in reports
-            if reporter not in self.discredited and self._verdicts.get(report.evidence.receipt.signature)
-        }
+        # evidence that held convicts, whoever wrote it and whatever else its writer wrote
+        convicted = {report.peer_id for _, report in reports if self._verdicts.get(evidence_key(report))}
         self.access.take_reports(frozenset(convicted))
 
     def catch(self, peer_id: str, reach: int = 0) -> None:
