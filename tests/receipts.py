@@ -1,5 +1,6 @@
 """Receipts and fault reports made here, for tests of their rules (real keys, made-up states)."""
 
+import dataclasses
 import time
 
 import torch
@@ -33,8 +34,8 @@ def fault(accused: str | None = None, identity: Identity | None = None) -> Fault
     receipts = signed_steps(key, inputs, outputs, [3, 1, 1])
     cert = key.cert
     if accused is not None:
-        receipts = [r.__class__(**{**r.__dict__, "peer_id": accused}) for r in receipts]
-        cert = cert.__class__(**{**cert.__dict__, "peer_id": accused})
+        receipts = [dataclasses.replace(r, peer_id=accused) for r in receipts]
+        cert = dataclasses.replace(cert, peer_id=accused)
     last = receipts[-1]
     evidence = Evidence(list(range(5)), cert, last, [(r.tokens, r.rows) for r in receipts[:-1]])
     return FaultReport(last.peer_id, last.start, last.end, 0.25, evidence, time.time())
