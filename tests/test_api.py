@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from p2pfusion.api.app import base_url, create_app, listen, model_names, server
+from p2pfusion.api.guard import APILimits
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.generate.sampling import choose_token, nucleus
@@ -51,7 +52,7 @@ def _chat_model(folder: Path, seed: int) -> ModelSource:
 
 async def _serve_in_process(lm: SwarmLM, api_key: str):
     sock = listen("127.0.0.1", 0)
-    http = server(create_app(lm, model_names(lm), api_key))
+    http = server(create_app(lm, model_names(lm), APILimits((api_key,))))
     return http, asyncio.create_task(http.serve(sockets=[sock])), base_url(sock) + "/v1"
 
 

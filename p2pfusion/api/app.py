@@ -19,6 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from p2pfusion.api import schemas
 from p2pfusion.api.completions import Completions
 from p2pfusion.api.errors import APIError, install, unknown_model
+from p2pfusion.api.guard import APILimits, Guard
 from p2pfusion.api.web import add_web, api_key_refused
 from p2pfusion.client.route.planner import missing_layers, usable
 from p2pfusion.client.generate.swarm_lm import SwarmLM
@@ -26,15 +27,16 @@ from p2pfusion.client.generate.swarm_lm import SwarmLM
 GRACEFUL_SHUTDOWN = 5.0  # seconds open streams get to end when the server stops
 
 
-def create_app(lm: SwarmLM, model_names: Sequence[str], api_key: str | None = None) -> FastAPI:
+def create_app(lm: SwarmLM, model_names: Sequence[str], limits: APILimits = APILimits()) -> FastAPI:
     """The API of `lm`'s model, known to requests by any of `model_names` (the first is the name
-    answers carry; the display name and the swarm key, usually). With `api_key`, every `/v1` route
-    wants `Authorization: Bearer API_KEY`."""
+    answers carry; the display name and the swarm key, usually), within `limits` (api/guard.py).
+    With API keys, every `/v1` route wants `Authorization: Bearer KEY`, one of them."""
     names = list(model_names)
     app = FastAPI(title="p2pfusion", docs_url=None, redoc_url=None)
-    app.state.api_key = api_key
+    app.state.api_keys = limits.api_keys
     install(app)
-    completions = Completions(lm, names)
+    app.add_middleware(Guard, limits=limits)
+    completions = Completions(lm, names, limits)
     created = int(time.time())
     router = APIRouter(prefix="/v1", dependencies=[Depends(_authorized)])
 

@@ -13,8 +13,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 import anyio
@@ -26,6 +28,7 @@ from sse_starlette import EventSourceResponse
 
 from p2pfusion.api import schemas
 from p2pfusion.api.errors import APIError, from_core, unknown_model, unsupported
+from p2pfusion.api.guard import APILimits, Users, user_of
 from p2pfusion.client.generate.conversation import Generated
 from p2pfusion.client.generate.swarm_lm import Correction, GenerationRequest, Piece, SwarmLM, TokenStream
 from p2pfusion.errors import P2PFusionError
@@ -56,11 +59,16 @@ class Job:
 
 
 class Completions:
-    def __init__(self, lm: SwarmLM, names: list[str]):
+    def __init__(self, lm: SwarmLM, names: list[str], limits: APILimits):
         self.lm = lm
         self.names = names  # what a request's `model` may be: the display name, then the swarm key
         eos = lm.model.config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.keys = limits.api_keys
+        self.users = Users(limits.requests_per_user)
+        # one thread tokenizes, off the event loop: a long prompt takes seconds, and a tokenizer is
+        # not safe to share between threads
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
 
     async def chat(self, body: schemas.ChatCompletionRequest, request: Request) -> Response:
         self._check(body)
@@ -71,12 +79,28 @@ class Completions:
                 raise unsupported(f"messages.{i}.content", "only text content is supported")
             messages.append({"role": ROLES.get(message.role, message.role), "content": text})
         wanted = body.max_completion_tokens or body.max_tokens
-        return await self._answer(await self._job(messages, wanted, body, "messages"), request)
+        return await self._serve(request, partial(self._job, messages, wanted, body, "messages"))
 
     async def complete(self, body: schemas.CompletionRequest, request: Request) -> Response:
         self._check(body)
-        job = await self._job(body.single_prompt(), body.max_tokens or COMPLETION_TOKENS, body, "prompt")
-        return await self._answer(job, request)
+        return await self._serve(
+            request, partial(self._job, body.single_prompt(), body.max_tokens or COMPLETION_TOKENS, body, "prompt")
+        )
+
+    async def _serve(self, request: Request, job: Callable[[], Awaitable[Job]]) -> Response:
+        """The answer to the job `job()` makes, counted against its user while it runs: until the
+        answer is whole, or, streamed, until its stream ends."""
+        user = user_of(request.scope, request.headers.get("authorization", ""), self.keys)
+        self.users.start(user)
+        response = None
+        try:
+            response = await self._answer(await job(), request)
+            return response
+        finally:
+            if isinstance(response, EventStream):
+                response.on_close = partial(self.users.end, user)
+            else:
+                self.users.end(user)
 
     def _check(self, body: schemas.SamplingRequest) -> None:
         if body.model not in self.names:
@@ -90,7 +114,7 @@ class Completions:
         traffic); without `max_tokens`, the generation may fill the context the swarm accepts."""
         lm = self.lm
         try:
-            ids = lm.encode(prompt)
+            ids = await asyncio.get_running_loop().run_in_executor(self.tokenizing, lm.encode, prompt)
             if max_tokens is None:
                 max_tokens = max(await lm.model.core.longest_session() - len(ids), 1)
             request = lm.request(
@@ -226,6 +250,7 @@ class EventStream(EventSourceResponse):
     def __init__(self, stream: TokenStream, events: AsyncIterator[dict]):
         super().__init__(events, sep="\n")  # OpenAI's separator: some clients split on "\n\n" only
         self.stream = stream
+        self.on_close: Callable[[], None] | None = None  # called once the generation has ended
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -233,6 +258,8 @@ class EventStream(EventSourceResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.stream.aclose()
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def _whole_of(stream: TokenStream) -> Generated:

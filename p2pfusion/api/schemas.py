@@ -11,9 +11,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-MAX_STOPS = 4  # stop strings per request, as OpenAI's API
+from p2pfusion.client.generate.stops import MAX_STOP_CHARS, MAX_STOPS
 
-Stop = str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
+Stop = StopString | Annotated[list[StopString], Field(max_length=MAX_STOPS)] | None
 
 
 class StreamOptions(BaseModel):

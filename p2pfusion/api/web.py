@@ -25,12 +25,15 @@ NO_CACHE = {"Cache-Control": "no-cache"}
 
 
 def api_key_refused(request: Request) -> JSONResponse | None:
-    """A 401 in OpenAI's error shape unless the request bears the API key (`app.state.api_key`; none: open)."""
-    key = getattr(request.app.state, "api_key", None)
-    if not key:
+    """A 401 in OpenAI's error shape unless the request bears one of the API keys
+    (`app.state.api_keys`; none: open)."""
+    keys = request.app.state.api_keys
+    if not keys:
         return None
     scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key.encode()):
+    # every key compared, so that the time taken does not tell which one a guess came close to
+    matches = [hmac.compare_digest(given.strip().encode(), key.encode()) for key in keys]
+    if scheme.lower() == "bearer" and any(matches):
         return None
     error = {"message": "a valid API key is needed: send it as 'Authorization: Bearer KEY'",
              "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}

@@ -136,23 +136,29 @@ async def infer(args, started: float) -> None:
 async def api(args) -> None:
     # the port first: one in use fails before the model loads
     from p2pfusion.api.app import listen
+    from p2pfusion.api.guard import APILimits
 
     options = client_options(args)
+    limits = APILimits(
+        tuple(args.api_key or ()), args.max_body, requests_per_user=args.requests_per_user,
+        allowed_hosts=tuple(args.allowed_hosts or ()),
+    )
     sock = listen(args.host, args.port)
-    await serve_api(sock, args.initial_peers, args.model, args.api_key, options)
+    await serve_api(sock, args.initial_peers, args.model, limits, options)
 
 
 async def serve_api(
-    sock: socket.socket, initial_peers: list[str], model: str | None, api_key: str | None = None,
-    options: ClientOptions | None = None,
+    sock: socket.socket, initial_peers: list[str], model: str | None, limits=None, options: ClientOptions | None = None,
 ) -> None:
-    """The OpenAI-compatible API on `sock` (listening) until SIGINT or SIGTERM, in this loop with its swarm client."""
+    """The OpenAI-compatible API on `sock` (listening) until SIGINT or SIGTERM, in this loop with
+    its swarm client, within `limits` (api.guard.APILimits; None: the defaults)."""
     # fastapi and uvicorn load for this command only, not for every peer
     from p2pfusion.api.app import base_url, create_app, model_names, server
+    from p2pfusion.api.guard import APILimits
 
     lm = await SwarmLM.connect(initial_peers, model, options)
     try:
-        http = server(create_app(lm, model_names(lm), api_key))
+        http = server(create_app(lm, model_names(lm), limits or APILimits()))
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: setattr(http, "should_exit", True))

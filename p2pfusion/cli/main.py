@@ -32,6 +32,7 @@ from p2pfusion.cli.options import (
     ip_address,
     layer_range,
     mebibytes,
+    positive_bytes,
     precision_options,
     temperature,
     throughput,
@@ -53,10 +54,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows each option's default, unless it has none to show (None, or a flag's)."""
+    """Shows each option's default, unless it has none to show (None, or a flag's) or its help names it."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.nargs == 0:
+        if action.default is None or action.nargs == 0 or "(default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -237,7 +238,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     api.add_argument("--port", type=PORT, default=8000, metavar="N", help="HTTP port; 0 picks a free one")
     api.add_argument(
-        "--api-key", type=api_key, metavar="KEY", help="require 'Authorization: Bearer KEY' on /v1 requests"
+        "--api-key", type=api_key, action="append", metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 requests; give it once per user to share "
+        "--requests-per-user by key rather than by address",
+    )
+    api.add_argument(
+        "--requests-per-user", type=whole_number(1), default=8, metavar="N",
+        help="generations one user (API key, or address) runs at once; more get 429 (default: 8)",
+    )
+    api.add_argument(
+        "--max-body", type=positive_bytes("MiB", 20), default=4 << 20, metavar="MIB",
+        help="largest request body, in MiB; larger ones get 413 before they are read (default: 4)",
+    )
+    api.add_argument(
+        "--allowed-hosts", nargs="+", metavar="NAME",
+        help="host names this API answers without --api-key, besides IP addresses and localhost "
+        "(a defence against DNS rebinding); '*' for any",
     )
     api.add_argument("--compression", **COMPRESSION)
     api.add_argument("--verify", **VERIFY)

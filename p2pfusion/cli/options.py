@@ -90,15 +90,22 @@ def decode_threads(text: str) -> str:
     raise argparse.ArgumentTypeError(f"expected auto, N (at least 1) or N:warm (at least 2), got {text!r}")
 
 
-def gibibytes(text: str) -> int:
-    """An argument type: a positive amount of memory in GiB (fractions allowed), as bytes."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GiB as a number, e.g. 1.5; got {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of GiB, got {text!r}")
-    return int(value * (1 << 30))
+def positive_bytes(unit: str, shift: int):
+    """An argument type: a positive amount of `unit` (2**shift bytes; fractions allowed), as bytes."""
+
+    def parse(text: str) -> int:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {unit} as a number, e.g. 1.5; got {text!r}") from None
+        if not math.isfinite(value) or value <= 0 or int(value * (1 << shift)) < 1:
+            raise argparse.ArgumentTypeError(f"expected a positive number of {unit}, got {text!r}")
+        return int(value * (1 << shift))
+
+    return parse
+
+
+gibibytes = positive_bytes("GiB", 30)
 
 
 def mebibytes(text: str) -> int:

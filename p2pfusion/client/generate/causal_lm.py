@@ -17,6 +17,7 @@ from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.client.canary import Canaries
 from p2pfusion.client.core import ClientCore
+from p2pfusion.client.generate import template
 from p2pfusion.client.generate.conversation import Conversation, Generated
 from p2pfusion.client.generate.greedy import HeadBatcher
 from p2pfusion.client.generate.local_layers import LocalLayers
@@ -47,6 +48,8 @@ class RemoteCausalLM:
         self._heads: HeadBatcher | None | bool = False if core.options.screen_head else None
         self.lockstep = Lockstep()  # decoding sessions step together (generate/lockstep.py)
         self.canaries = Canaries(core)  # sessions of its own, sent after generations (client/canary.py)
+        self._markers: list[str] | None = None  # the tokenizer's added tokens' texts (generate/template.py)
+        self._longest_token: int | None = None
 
     @classmethod
     def build(
@@ -84,9 +87,18 @@ class RemoteCausalLM:
         """Tokenize and validate a prompt (before any network traffic, so bad input fails fast)."""
         if not prompt.strip():
             raise RequestError("the prompt is empty")
-        ids = self.chat_ids([{"role": "user", "content": prompt}]) if chat else list(self.tokenizer(prompt)["input_ids"])
+        if chat:
+            ids = self.chat_ids([{"role": "user", "content": prompt}])
+        else:
+            self._check_chars(len(prompt))
+            ids = list(self.tokenizer(prompt)["input_ids"])
         self.check_prompt(ids)
         return ids
+
+    def _check_chars(self, chars: int) -> None:
+        if self._longest_token is None:
+            self._longest_token = template.longest_token(self.tokenizer)
+        template.check_text_length(chars, self.core.max_positions, self._longest_token)
 
     def require_chat_template(self) -> None:
         """A chat with a model that has no chat template is a request it cannot serve."""
@@ -96,9 +108,10 @@ class RemoteCausalLM:
     def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         """A conversation rendered with the model's chat template, ready for the assistant's turn."""
         self.require_chat_template()
-        return list(self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        ))
+        self._check_chars(sum(len(m["content"]) for m in messages))
+        if self._markers is None:
+            self._markers = template.markers(self.tokenizer)
+        return template.chat_ids(self.tokenizer, messages, self._markers)
 
     async def open_session(self, length: int, adapter: Adapter | None = None, first: int = 0) -> ResilientSession:
         """A session with `adapter` (None: the model's own, `self.adapter`) through the layers from

@@ -22,7 +22,7 @@ from typing import Any
 from p2pfusion.client.core import connect
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.conversation import Generated
-from p2pfusion.client.generate.stops import StopText, cut_at_stop
+from p2pfusion.client.generate.stops import MAX_STOP_CHARS, MAX_STOPS, StopText, cut_at_stop
 from p2pfusion.client.generate.text import TextPieces
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.options import ClientOptions
@@ -144,6 +144,8 @@ class SwarmLM:
         stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, Sequence) else None
         if stops is None or not all(isinstance(s, str) and s for s in stops):
             raise RequestError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise RequestError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise RequestError(f"seed must be an integer, got {seed!r}")
         if adapter is not None and not isinstance(adapter, Adapter):

@@ -117,8 +117,11 @@ class ResilientSession:
                                           f"{delay:.0f} s at first, for up to {FAILOVER_TIMEOUT:.0f} s")
                 elif last is None or str(last) != str(exc):
                     log.warning("waiting for the swarm to recover: %s", exc)
-                last = exc if room is None or self._busy is None else self._busy
+                # a gap that only busy peers' layers make is their being busy, not a gap
+                last = exc if self._busy is None else self._busy
             if time.monotonic() > deadline:
+                if isinstance(last, PeerBusy):
+                    raise PeerBusy(f"peers stayed busy for {FAILOVER_TIMEOUT:.0f} s: {last}", last.peer_id, last.retry_after)
                 raise RouteError(f"the swarm did not recover within {FAILOVER_TIMEOUT:.0f} s: {last}")
             await asyncio.sleep(max(min(delay, deadline - time.monotonic()), 0.0))
 
