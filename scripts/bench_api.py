@@ -123,10 +123,12 @@ async def via_core(model: RemoteCausalLM, text: str, tokens: int) -> Stream:
 # --- the run -------------------------------------------------------------------------------------
 
 
-def start_api(swarm: LocalSwarm) -> tuple[subprocess.Popen, str]:
-    """`p2pfusion api` on a free port, once it serves; its log is in the swarm's workdir."""
+def start_api(swarm: LocalSwarm, streams: int) -> tuple[subprocess.Popen, str]:
+    """`p2pfusion api` on a free port, once it serves; its log is in the swarm's workdir. The
+    bench's `streams` concurrent streams stand for as many users, all on one address here."""
     log = swarm.workdir / "api.log"
-    cmd = [sys.executable, "-m", "p2pfusion.cli.main", "api", "--initial-peers", swarm.maddrs[0], "--port", "0"]
+    cmd = [sys.executable, "-m", "p2pfusion.cli.main", "api", "--initial-peers", swarm.maddrs[0], "--port", "0",
+           "--requests-per-user", str(streams)]
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     deadline = time.monotonic() + READY_WITHIN
@@ -222,7 +224,7 @@ def main() -> None:
           f"{args.peers} peers", file=sys.stderr)
     with LocalSwarm(model=None) as swarm:
         swarm.start(even_ranges(layers, args.peers), args.peer_args.split())
-        api, url = start_api(swarm)
+        api, url = start_api(swarm, args.concurrent)
         try:
             results = uvloop.run(bench(args, source, swarm.maddrs, url))
         finally:

@@ -11,12 +11,14 @@ tokens are identical, and the peers' largest RSS growth. Attacks:
 - amplification: steps whose top-k frame declares [2**29] values in a 2 MiB body, on 2 streams;
 - prefill-flood: three clients looping [4, 2048, 576] prefills through the whole route;
 - session-flood: 60 sessions of 2,000 prefilled tokens each, left idle;
+- sybil-hog: 5 libp2p identities from one address, each opening 70 one-hop sessions at the first
+  stage (all 256 of its session slots, if each identity counted on its own);
 - dht-wipe: an unsigned store of "gone" under the model's key, with no subkey, every second;
 - dht-flood: 2,000 records of 3 KB under the model's key, unsigned, at once;
 - tarpit: 20 signed records of fake online peers serving every layer, each with 8 data addresses
   pointing at a TCP tarpit (accepts, never answers).
-The flooding clients dial through libp2p: on loopback every direct connection comes from
-127.0.0.1, as the user's do, and they must count as a source of their own.
+The clients that open sessions attack from 127.0.0.2 through libp2p: on loopback every direct
+connection comes from 127.0.0.1, as the user's do.
 
 Usage: python scripts/bench_attacks.py [--tokens 24] [--attacks slowloris,dht-wipe,...]
 """
@@ -52,7 +54,11 @@ from p2pfusion.net.transport import _split_addr
 from bench_machine import machine_header
 
 PROMPT = "What is the capital of France?"
-ATTACKS = ["slowloris", "amplification", "prefill-flood", "session-flood", "dht-wipe", "dht-flood", "tarpit"]
+ATTACKS = [
+    "slowloris", "amplification", "prefill-flood", "session-flood", "sybil-hog", "dht-wipe", "dht-flood", "tarpit",
+]
+ATTACKER_HOST = "127.0.0.2"  # where the clients that open sessions attack from: another address than the user's
+SYBILS, SYBIL_SESSIONS = 5, 70
 WARMUP = 3.0  # seconds of attack before the user starts
 
 
@@ -96,7 +102,8 @@ async def slowloris(maddrs, key, hidden):
             await asyncio.sleep(1)
 
 
-async def _open_one_hop(client, record, length, batch=1):
+async def _open_one_hop(client, record, length, batch=1, reply=False):
+    """A session of one hop at `record`'s peer: its streams, and (with `reply`) the Open's answer."""
     reader, writer = await client.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL)
     sid = os.urandom(8).hex()
     sink_reader, sink = await client.transport.open(record.peer_id, record.data_addrs, m.PROTOCOL)
@@ -104,8 +111,8 @@ async def _open_one_hop(client, record, length, batch=1):
     await read_frame(sink_reader)
     hop = m.Hop(record.peer_id, record.data_addrs, record.start, record.end)
     await write_frame(writer, m.to_header(m.Open(sid, length, [hop], Codec.NONE, batch=batch)))
-    await read_frame(reader)
-    return reader, writer, sink_reader, sink
+    answer, _ = await read_frame(reader)
+    return (reader, writer, sink_reader, sink, answer) if reply else (reader, writer, sink_reader, sink)
 
 
 async def amplification(maddrs, key, hidden):
@@ -135,17 +142,40 @@ async def amplification(maddrs, key, hidden):
     await asyncio.gather(*(stream(records[i % len(records)]) for i in range(2)))
 
 
-def via_libp2p(client) -> None:
-    """Dial peers through libp2p only: on loopback every direct connection comes from 127.0.0.1,
-    the user's address too, and the attacker must count as a source of its own (as from another host)."""
+async def from_elsewhere(maddrs):
+    """A client node whose streams come from ATTACKER_HOST, as from another host: its libp2p
+    daemon listens there (so it dials from there), and it dials peers through libp2p only (a
+    direct connection on loopback comes from 127.0.0.1, the user's address)."""
+    client = await join_swarm(maddrs, host=ATTACKER_HOST, client_mode=True)
     direct = client.transport.open
     client.transport.open = lambda peer_id, addrs, protocol, timeout=15.0: direct(peer_id, [], protocol, timeout)
+    return client
+
+
+async def sybil_hog(maddrs, key, hidden):
+    """Many libp2p identities from one host, each opening as many one-hop sessions at the first
+    stage as it may: together they get what one address gets."""
+    clients = [await from_elsewhere(maddrs) for _ in range(SYBILS)]
+    first = min((r for r in await clients[0].lookup(key) if r.state == PeerState.ONLINE), key=lambda r: r.start)
+    held, refused = [], 0
+    for client in clients:
+        for _ in range(SYBIL_SESSIONS):
+            try:
+                opened = await asyncio.wait_for(_open_one_hop(client, first, 64, reply=True), 30)
+            except (OSError, EOFError, TimeoutError, P2PFusionError):
+                refused += 1
+                continue
+            if opened[4].get("kind") == "ack":
+                held.append(opened)
+            else:
+                refused += 1
+    ready(f"{SYBILS} identities hold {len(held)} sessions at layers {first.start}:{first.end}; {refused} refused")
+    await asyncio.Event().wait()
 
 
 async def prefill_flood(maddrs, key, hidden):
     source = resolve_model(None)
-    client = await join_swarm(maddrs, client_mode=True)
-    via_libp2p(client)
+    client = await from_elsewhere(maddrs)
     model = RemoteCausalLM.build(source, client)
 
     done = [0]
@@ -171,8 +201,7 @@ async def prefill_flood(maddrs, key, hidden):
 
 async def session_flood(maddrs, key, hidden):
     source = resolve_model(None)
-    client = await join_swarm(maddrs, client_mode=True)
-    via_libp2p(client)
+    client = await from_elsewhere(maddrs)
     model = RemoteCausalLM.build(source, client)
     held, refused = [], []
     for i in range(60):  # the user starts once 10 are held; the rest open while it generates
@@ -235,7 +264,8 @@ async def tarpit(maddrs, key, hidden):
 
 WORKERS = {
     "slowloris": slowloris, "amplification": amplification, "prefill-flood": prefill_flood,
-    "session-flood": session_flood, "dht-wipe": dht_wipe, "dht-flood": dht_flood, "tarpit": tarpit,
+    "session-flood": session_flood, "sybil-hog": sybil_hog, "dht-wipe": dht_wipe, "dht-flood": dht_flood,
+    "tarpit": tarpit,
 }
 
 

@@ -136,7 +136,7 @@ def convictions(source, args) -> None:
 
 async def fresh_report(model, result, liar_id):
     """The report the canary's client published against the liar, as another client reads it."""
-    reports = await model.core.swarm.fault_reports(model.core.access().model)
+    reports = await model.core.swarm.fault_reports(model.core.access().model, [liar_id])
     mine = [r for writer, r in reports if writer == model.core.swarm.writer_id and r.peer_id == liar_id]
     return max(mine, key=lambda r: r.time)
 

@@ -25,10 +25,10 @@ def signed_steps(key: ReceiptKey, inputs: torch.Tensor, outputs: torch.Tensor, s
     return receipts
 
 
-def fault(accused: str | None = None, identity: Identity | None = None) -> FaultReport:
-    """A well-formed report against `accused` (a receipt of its own, signed or not by `identity`)."""
-    identity = identity or Identity.create()
-    key = ReceiptKey(identity)
+def fault(accused: str | None = None, identity: Identity | None = None, key: ReceiptKey | None = None) -> FaultReport:
+    """A well-formed report against `accused` (a receipt of its own, signed or not by `identity`),
+    or against the peer whose receipt `key` signs its receipts."""
+    key = key or ReceiptKey(identity or Identity.create())
     torch.manual_seed(0)
     inputs, outputs = torch.randn(1, 5, HIDDEN), torch.randn(1, 5, HIDDEN)
     receipts = signed_steps(key, inputs, outputs, [3, 1, 1])

@@ -14,9 +14,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.dht.records import PeerRecord, PeerState, model_key
+from p2pfusion.dht.records import PeerRecord, PeerState, fault_key, model_key
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.dht.validation import SwarmValidator
+from tests.receipts import fault as signed_fault
 from tests.test_churn import _reference
 from tests.swarm import peers_in_background
 
@@ -174,6 +175,41 @@ def test_a_full_key_refuses_new_subkeys_but_not_refreshes(swarm):
     assert all(r is not False for r in refreshed)
     assert all(len(held) == 3 for held in _held(peers, source.key))
     _served(swarm)
+
+
+def test_junk_fault_reports_do_not_crowd_out_a_real_one(swarm):
+    """The report flood: throwaway keys store reports against made-up peers, and against a real
+    peer with receipts it never signed. Every one is refused; a report whose receipt the accused
+    did sign (here made with its own receipt key, as a canary's evidence would be) is stored under
+    that peer's own key, where a fresh client reads it."""
+    source, peers, maddrs, loop, _ = swarm
+    target = peers[0].swarm.peer_id
+
+    async def flood():
+        attacker = await _attacker(maddrs, None)
+        refused = []
+        try:
+            for writer in [SwarmValidator(RSASignatureValidator(_Key())) for _ in range(4)]:
+                attacker.dht.protocol.record_validator = writer.signer
+                for report in (signed_fault(f"QmMadeUp{writer.writer_id[-8:]}"), signed_fault(target)):
+                    value = {**report.to_value(), "model": source.key, "reporter": writer.writer_id}
+                    subkey = report.peer_id.encode() + writer.local_public_key
+                    refused.append(not await _store(attacker, fault_key(source.key, report.peer_id), subkey, value, 600))
+        finally:
+            await attacker.shutdown()
+        honest = await join_swarm(maddrs, client_mode=True)
+        reader = await join_swarm(maddrs, client_mode=True)
+        try:
+            real = signed_fault(key=peers[0].server.receipt_key)
+            stored = await honest.report_faulty(source.key, real)
+            return refused, stored, await reader.fault_reports(source.key, [target, "QmMadeUp"]), honest.writer_id
+        finally:
+            await honest.shutdown()
+            await reader.shutdown()
+
+    refused, stored, read, reporter = loop.run(flood())
+    assert all(refused) and len(refused) == 8
+    assert stored and [(writer, report.peer_id) for writer, report in read] == [(reporter, target)]
 
 
 def test_the_swarm_heals_after_a_flood(swarm):

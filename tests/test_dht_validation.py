@@ -1,6 +1,7 @@
 """The DHT's record rules, without a network: what the validator lets a node store or a search bring
 back, and the caps of a node's storage."""
 
+import dataclasses
 
 import msgpack
 import pytest
@@ -25,6 +26,7 @@ from p2pfusion.dht.records import (
 )
 from p2pfusion.dht.storage import CappedStorage
 from p2pfusion.dht.validation import SwarmValidator, key_id
+from p2pfusion.net.identity import Identity
 from tests.receipts import fault as signed_fault
 
 
@@ -37,6 +39,16 @@ class _Key(RSAPrivateKey):
 def keys() -> dict[str, SwarmValidator]:
     """A node's validator (it checks) and two writers' (they sign)."""
     return {name: SwarmValidator(RSASignatureValidator(_Key())) for name in ("node", "alice", "mallory")}
+
+
+@pytest.fixture(scope="module")
+def accused() -> FaultReport:
+    """A report against a real peer: its receipt signed by the key that peer's identity certified."""
+    return signed_fault(identity=Identity.create())
+
+
+def _fault_value(report: FaultReport, reporter: str) -> dict:
+    return {**report.to_value(), "model": "m", "reporter": reporter}
 
 
 def _record(writer: SwarmValidator, key: str, subject, value, ttl: float = 30.0, sign=True) -> DHTRecord:
@@ -53,7 +65,7 @@ def _peer_value(peer_id: str, model: str = "m", **fields) -> dict:
     return {**record.to_value(), **fields}
 
 
-def test_each_kind_of_record_is_accepted_from_its_writer(keys):
+def test_each_kind_of_record_is_accepted_from_its_writer(keys, accused):
     node, alice, mallory = keys["node"], keys["alice"], keys["mallory"]
     me = alice.writer_id
     assert node.validate(_record(alice, model_key("m"), me, _peer_value(me)))
@@ -61,8 +73,23 @@ def test_each_kind_of_record_is_accepted_from_its_writer(keys):
     assert node.validate(_record(alice, MODELS_KEY, "m", entry))
     report = {"peer_id": mallory.writer_id, "reason": "gone", "model": "m", "reporter": me}
     assert node.validate(_record(alice, unreachable_key("m"), mallory.writer_id, report))
-    fault = {**signed_fault(mallory.writer_id).to_value(), "model": "m", "reporter": me}
-    assert node.validate(_record(alice, fault_key("m"), mallory.writer_id, fault, ttl=600))
+    target = accused.peer_id
+    assert node.validate(_record(alice, fault_key("m", target), target, _fault_value(accused, me), ttl=600))
+
+
+def test_a_fault_report_needs_its_accused_signature_and_its_own_key(keys, accused):
+    """Reports against made-up peers, or with a receipt the accused did not sign, are refused: junk
+    cannot fill a real peer's report key, and a report against one peer sits under that peer's key."""
+    node, alice = keys["node"], keys["alice"]
+    me, target = alice.writer_id, accused.peer_id
+    made_up = signed_fault("QmAccused")
+    assert not node.validate(_record(alice, fault_key("m", "QmAccused"), "QmAccused", _fault_value(made_up, me), ttl=600))
+    receipt = accused.evidence.receipt
+    forged = dataclasses.replace(accused, evidence=dataclasses.replace(
+        accused.evidence, receipt=dataclasses.replace(receipt, output=bytes(len(receipt.output)))))
+    assert not node.validate(_record(alice, fault_key("m", target), target, _fault_value(forged, me), ttl=600))
+    other = keys["mallory"].writer_id
+    assert not node.validate(_record(alice, fault_key("m", other), target, _fault_value(accused, me), ttl=600))
 
 
 def test_a_plain_value_cannot_wipe_a_key(keys):
@@ -97,23 +124,23 @@ def test_a_record_fits_only_its_own_key_and_subkey(keys):
     assert not node.validate(DHTRecord(record.key, subkey, record.value, record.expiration_time))
 
 
-def test_expiration_is_capped_per_kind(keys):
+def test_expiration_is_capped_per_kind(keys, accused):
     node, alice = keys["node"], keys["alice"]
-    me = alice.writer_id
+    me, target = alice.writer_id, accused.peer_id
     assert node.validate(_record(alice, model_key("m"), me, _peer_value(me), ttl=50))
     assert not node.validate(_record(alice, model_key("m"), me, _peer_value(me), ttl=900))
-    fault = {**signed_fault("QmAccused").to_value(), "model": "m", "reporter": me}
-    assert node.validate(_record(alice, fault_key("m"), "QmAccused", fault, ttl=600))
-    assert not node.validate(_record(alice, fault_key("m"), "QmAccused", fault, ttl=900))
+    fault = _fault_value(accused, me)
+    assert node.validate(_record(alice, fault_key("m", target), target, fault, ttl=600))
+    assert not node.validate(_record(alice, fault_key("m", target), target, fault, ttl=900))
 
 
-def test_sizes_are_capped(keys):
+def test_sizes_are_capped(keys, accused):
     node, alice = keys["node"], keys["alice"]
-    me = alice.writer_id
-    fault_value = {**signed_fault("QmAccused").to_value(), "model": "m", "reporter": me}
-    assert node.validate(_record(alice, fault_key("m"), "QmAccused", fault_value, ttl=600))
+    me, target = alice.writer_id, accused.peer_id
+    fault_value = _fault_value(accused, me)
+    assert node.validate(_record(alice, fault_key("m", target), target, fault_value, ttl=600))
     padded = {**fault_value, "evidence": {**fault_value["evidence"], "earlier": [[1, b"\0" * 32]] * 400}}
-    assert not node.validate(_record(alice, fault_key("m"), "QmAccused", padded, ttl=600))
+    assert not node.validate(_record(alice, fault_key("m", target), target, padded, ttl=600))
     assert not node.validate(_record(alice, model_key("m"), me, _peer_value(me, device="x" * 5000)))
     addrs = [f"10.0.0.{i}:443" for i in range(9)]
     assert not node.validate(_record(alice, model_key("m"), me, _peer_value(me, data_addrs=addrs)))

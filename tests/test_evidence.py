@@ -52,10 +52,12 @@ async def hiding_liar(source):
                 canary = await Canaries(model.core, seed=1).run(through=liar.swarm.peer_id)
             finally:
                 await swarm.shutdown()
-            reports = await peers[0].swarm.fault_reports(peers[0].model)
+            reports = await peers[0].swarm.fault_reports(peers[0].model, [liar.swarm.peer_id])
             forger = peers[2].swarm  # its key stands in for a stranger's
-            await forger.report_faulty(peers[2].model, tampered(reports[0][1]))
-            await forger.report_faulty(peers[2].model, framed(canary, peers[0].swarm.peer_id))
+            # the DHT refuses a report whose receipt its accused did not sign; a real receipt with
+            # made-up tokens is stored, and left to readers to judge
+            stored = [await forger.report_faulty(peers[2].model, tampered(reports[0][1])),
+                      await forger.report_faulty(peers[2].model, framed(canary, peers[0].swarm.peer_id))]
             swarm, fresh = await client(source, maddrs, verify=0.0)  # checks nothing itself
             try:
                 trusting = await fresh.generate(IDS, NEW, stop_at_eos=False, decode=False)
@@ -65,7 +67,7 @@ async def hiding_liar(source):
                 await swarm.shutdown()
         finally:
             await stop_peer(liar)
-    return liar.swarm.peer_id, result, suspects, canary, reports, trusting, distrusted, (forger.writer_id, discredited)
+    return liar.swarm.peer_id, result, suspects, canary, reports, trusting, distrusted, (forger.writer_id, discredited, stored)
 
 
 def tampered(report: FaultReport) -> FaultReport:
@@ -88,7 +90,8 @@ def framed(canary, honest: str) -> FaultReport:
 def test_a_liar_honest_on_replays_is_convicted_by_its_receipts(tiny_models, caplog):
     source = tiny_models["llama"]
     caplog.set_level(logging.INFO, logger="p2pfusion")
-    liar, result, suspects, canary, reports, trusting, distrusted, (forger, discredited) = uvloop.run(hiding_liar(source))
+    liar, result, suspects, canary, reports, trusting, distrusted, (forger, discredited, stored) = uvloop.run(
+        hiding_liar(source))
     with torch.no_grad():
         out = reference_model(source).generate(torch.tensor([IDS]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     expected = out[0, len(IDS):].tolist()
@@ -100,6 +103,7 @@ def test_a_liar_honest_on_replays_is_convicted_by_its_receipts(tiny_models, capl
     assert reports[0][1].evidence.tokens[:len(canary.tokens) - 1] == canary.tokens[:len(reports[0][1].evidence.tokens)]
     # one report, judged by the fresh client itself; the forged ones convict no one and discredit their signer
     assert trusting.token_ids == expected and distrusted == {liar} and discredited == {forger}
+    assert stored == [False, True]
     assert any("signed a wrong result for layers 1:3 in a canary session" in r.getMessage() for r in caplog.records)
 
 

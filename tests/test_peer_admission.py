@@ -70,7 +70,8 @@ def test_a_listed_peer_relaying_the_layers_before_speaks_for_its_client():
     client = "ip:198.51.100.7"
     assert vouched_origin(client, (0, 10), 10) == client  # the hop just before this one
     assert vouched_origin(client, (4, 12), 10) == client  # it overlaps this hop's layers
-    assert vouched_origin("peer:QmC", (0, 10), 10) == "peer:QmC"
+    assert vouched_origin("circuit:QmR", (0, 10), 10) == "circuit:QmR"  # behind a libp2p relay
+    assert vouched_origin("peer:QmC", (0, 10), 10) is None  # an identity is no address
     assert vouched_origin(None, (0, 10), 10) is None  # its own session
     assert vouched_origin(client, None, 10) is None  # not listed: a client's claim, ignored
     assert vouched_origin(client, (0, 8), 10) is None  # not the layers before this hop

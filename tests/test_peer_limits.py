@@ -15,6 +15,7 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import read_frame, write_frame
+from p2pfusion.net.clients import Source
 from tests.conftest import reference_model
 from tests.frames import raw_frame
 from tests.swarm import running_peers
@@ -22,6 +23,7 @@ from tests.swarm import running_peers
 IDS = [3, 17, 42, 99, 5, 250, 7]
 NEW_TOKENS = 8
 MIB = 1 << 20
+ELSEWHERE = "127.0.0.2"  # a client node listening here dials from here: another host's address, on loopback
 
 
 def _reference(source, tokens=NEW_TOKENS) -> list[int]:
@@ -150,12 +152,12 @@ async def _memory(source):
     # 1 KiB of KV per token here (4 layers, 2 KV heads of 16, float32): 2 MiB per 2048-token session
     async with running_peers(source, [(0, 4)], cache_memory=80 * MIB) as ([peer], maddrs):
         client = await join_swarm(maddrs, client_mode=True)
-        attacker = await join_swarm(maddrs, client_mode=True)
+        attacker = await join_swarm(maddrs, host=ELSEWHERE, client_mode=True)
         await _generate(client, source)  # what a client's first generation loads is not the sessions' memory
         gc.collect()
         baseline = _rss()
         sessions = []
-        while True:  # over libp2p: a source of its own, as another machine would be
+        while True:  # over libp2p from another address: a source of its own, as another machine would be
             opened = await _open_raw(attacker, [peer], f"fill{len(sessions)}", length=2048, direct=False)
             if opened[-1]["kind"] != "ack":
                 busy = opened[-1]
@@ -335,9 +337,9 @@ async def _relayed_shares(source):
     async with running_peers(source, [(0, 2), (2, 4)], cache_memory=20 * MIB) as (peers, maddrs):
         first, last = peers
         client = await join_swarm(maddrs, client_mode=True)
-        attacker = await join_swarm(maddrs, client_mode=True)
+        attacker = await join_swarm(maddrs, host=ELSEWHERE, client_mode=True)
         held = []
-        while True:  # over libp2p: a source of its own at the first hop, as another machine would be
+        while True:  # over libp2p from another address: a source of its own at the first hop
             opened = await _open_raw(attacker, peers, f"fill{len(held)}", length=2048, direct=False)
             if opened[-1]["kind"] != "ack":
                 refused = opened[-1]
@@ -349,7 +351,7 @@ async def _relayed_shares(source):
         model = RemoteCausalLM.build(source, client)
         session = await model.open_session(16)
         await session.step(model.embed(IDS))
-        units = [{s.client for s in peer.server.sessions.values() if s.client.startswith("ip:")} for peer in peers]
+        units = [{s.client for s in peer.server.sessions.values() if s.source != f"ip:{ELSEWHERE}"} for peer in peers]
         await session.close()
         # a claim about whom it relays, from someone the swarm does not list, counts for nothing
         reader, writer = await _stream(attacker, first, direct=False)
@@ -358,14 +360,44 @@ async def _relayed_shares(source):
         claimed = (await read_frame(reader))[0]
         await attacker.shutdown()
         await client.shutdown()
-    return len(held), refused, at_last_hop, f"peer:{attacker.peer_id}", tokens, units, claimed
+    return len(held), refused, at_last_hop, (f"ip:{ELSEWHERE}", f"peer:{attacker.peer_id}"), tokens, units, claimed
 
 
 def test_a_relayed_session_counts_against_its_client_not_the_relay(tiny_models):
     source = tiny_models["llama"]
     count, refused, at_last_hop, attacker, tokens, units, claimed = uvloop.run(_relayed_shares(source))
     assert count == 10 and refused["code"] == m.ErrorCode.BUSY and "one client may hold at most 10 MiB" in refused["message"]
-    assert at_last_hop == {(attacker, attacker)}  # its caps and its share of compute, as at the first hop
+    address, identity = attacker
+    # its caps and its share of compute, as at the first hop
+    assert at_last_hop == {(address, Source(address, identity).fairness)}, at_last_hop
     assert len(units[0]) == 1 and units[0] == units[1]  # the client is charged as one unit at every hop
     assert tokens == _reference(source)
     assert claimed["code"] == m.ErrorCode.BUSY, claimed  # still the attacker's own share, full
+
+
+async def _sybils(source):
+    """Five libp2p identities from one address, each opening as many sessions as it may."""
+    async with running_peers(source, [(0, 4)], client_sessions=6, max_sessions=12) as ([peer], maddrs):
+        sybils = [await join_swarm(maddrs, host=ELSEWHERE, client_mode=True) for _ in range(5)]
+        held, refused = [], []
+        for sybil in sybils:
+            for i in range(4):
+                opened = await _open_raw(sybil, [peer], f"{sybil.peer_id[-6:]}-{i}", direct=False)
+                (held if opened[-1]["kind"] == "ack" else refused).append(opened)
+        client = await join_swarm(maddrs, client_mode=True)
+        tokens = await asyncio.wait_for(_generate(client, source), 60)
+        sources = {s.source for s in peer.server.sessions.values()}
+        for node in [*sybils, client]:
+            await node.shutdown()
+    return len(held), [opened[-1] for opened in refused], sources, tokens
+
+
+def test_many_libp2p_identities_from_one_address_get_what_one_gets(tiny_models):
+    """The Sybil hog: identities cost nothing, so a libp2p stream counts against the address it came
+    from, as a direct connection does; a client from another address is still served."""
+    source = tiny_models["llama"]
+    held, refused, sources, tokens = uvloop.run(_sybils(source))
+    assert held == 6 and len(refused) == 14, (held, sources)
+    assert all(r["code"] == m.ErrorCode.BUSY and "this client already has 6 sessions" in r["message"] for r in refused)
+    assert sources == {f"ip:{ELSEWHERE}"}
+    assert tokens == _reference(source)

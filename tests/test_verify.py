@@ -50,7 +50,7 @@ async def scenario(source):
             lie(liar, torch.zeros_like)
             # seen slow: routed through the honest peer, and the liar lies as the checking route
             checker = await generate(source, maddrs, verify=0.2, observed={liar.swarm.peer_id: 1e-3})
-            reports = await peers[0].swarm.fault_reports(peers[0].model)
+            reports = await peers[0].swarm.fault_reports(peers[0].model, [liar.swarm.peer_id])
             lie(liar, noise)
             # the next clients read the report and check its evidence themselves: the liar is avoided
             reported = await generate(source, maddrs, verify=0.2)

@@ -14,7 +14,7 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.net import probe
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
 from p2pfusion.net.identity import client_context
-from p2pfusion.net.clients import MAX_PER_SOURCE, ConnectionCaps, connection_budget, source_of
+from p2pfusion.net.clients import MAX_PER_SOURCE, ConnectionCaps, connection_budget, source_of, source_of_maddr
 from p2pfusion.net.transport import DIRECT_TIMEOUT, HELLO_TIMEOUT, MAX_DIALED
 from tests.conftest import reference_model
 from tests.frames import raw_frame
@@ -188,6 +188,15 @@ def test_tarpit_addresses_cost_one_dial_timeout(swarm):
     assert dialed == MAX_DIALED
     assert DIRECT_TIMEOUT - 0.2 < seconds < DIRECT_TIMEOUT + 3, seconds  # then libp2p, not 8 x 3 s
     assert echoed
+
+
+def test_libp2p_streams_count_against_the_address_they_came_from():
+    assert source_of_maddr("/ip4/203.0.113.5/tcp/4001") == "ip:203.0.113.5"
+    assert source_of_maddr("/ip6/2001:db8::1/tcp/1") == source_of_maddr("/ip6/2001:db8::ff/udp/2/quic") == "ip:2001:db8::/64"
+    assert source_of_maddr("/ip4/198.51.100.1/tcp/1/p2p/QmRelay/p2p-circuit") == "circuit:QmRelay"
+    assert source_of_maddr("/dns4/example.org/tcp/1") == "ip:unknown"
+    caps = ConnectionCaps(per_source=3, total=10, per_relay=1)
+    assert caps.admit("circuit:QmRelay") and not caps.admit("circuit:QmRelay")  # a relay's clients share a tight bucket
 
 
 def test_caps_per_source_and_in_total():

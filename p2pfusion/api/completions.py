@@ -91,7 +91,7 @@ class Completions:
         """The answer to the job `job()` makes, counted against its user while it runs: until the
         answer is whole, or, streamed, until its stream ends."""
         user = user_of(request.scope, request.headers.get("authorization", ""), self.keys)
-        self.users.start(user)
+        await self.users.start(user)
         response = None
         try:
             response = await self._answer(await job(), request)

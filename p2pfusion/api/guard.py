@@ -11,7 +11,8 @@ says it is too large is refused before a byte of it is read, one that turns out 
 as it passes the cap, one that trickles in (a slowloris) when its time is up. Users are told apart
 by API key where the API has several, else by address (an IPv6 /64 counts as one address); each
 runs at most `requests_per_user` generations at once, so that no one user fills the share of
-sessions each peer gives this API (peer/admission.py).
+sessions each peer gives this API (peer/admission.py); a request past that waits a moment for a
+slot (`Users`), then gets a 429.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from p2pfusion.net.clients import source_of
 
 MIB = 1 << 20
 LOCAL_NAMES = ("localhost",)  # and every name under .localhost, which resolvers keep on this machine
-BUSY_RETRY = 2  # seconds a user over its cap waits: generations end at any moment
+QUEUE_SECONDS = 2.0  # a request over its user's cap waits this long for a slot before its 429
+BUSY_RETRY = 2  # seconds the 429 says to wait: generations end at any moment
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class APILimits:
     api_keys: tuple[str, ...] = ()  # none: open to anyone who can reach it, from allowed Hosts only
     max_body: int = 4 * MIB  # bytes of one request body
     body_seconds: float = 30.0  # to send it in
-    requests_per_user: int = 8  # generations one user runs at once
+    requests_per_user: int = 4  # generations one user runs at once
     allowed_hosts: tuple[str, ...] = ()  # Host names served besides IP addresses and local names; "*": any
 
 
@@ -72,22 +74,34 @@ def user_of(scope: Scope, authorization: str, keys: tuple[str, ...]) -> str:
 
 
 class Users:
-    """The generations each user runs now."""
+    """The generations each user runs now. A user at its cap waits up to `wait` seconds for one of
+    its own to end, then gets a 429: a client that retries at once is slowed to a request per
+    `wait` per connection, rather than costing this process a refusal per round trip."""
 
-    def __init__(self, per_user: int):
+    def __init__(self, per_user: int, wait: float = QUEUE_SECONDS):
         self.per_user = per_user
+        self.wait = wait
         self.running: dict[str, int] = {}
+        self._freed: dict[str, asyncio.Event] = {}  # set when one of the user's generations ends
 
-    def start(self, user: str) -> None:
-        """Count a generation of `user`'s, or refuse it with a 429 when the user runs its most already."""
-        held = self.running.get(user, 0)
-        if held >= self.per_user:
-            raise APIError(
-                429, f"you have {held} requests running here, at most {self.per_user} at once: "
-                f"retry when one ends", "rate_limit_error", code="too_many_requests",
-                headers={"Retry-After": str(BUSY_RETRY)},
-            )
-        self.running[user] = held + 1
+    async def start(self, user: str) -> None:
+        """Count a generation of `user`'s, once the user runs fewer than its most."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.wait
+        while self.running.get(user, 0) >= self.per_user:
+            left = deadline - loop.time()
+            if left <= 0:
+                raise APIError(
+                    429, f"you have {self.running[user]} requests running here, at most {self.per_user} at once: "
+                    "retry when one ends", "rate_limit_error", code="too_many_requests",
+                    headers={"Retry-After": str(BUSY_RETRY)},
+                )
+            freed = self._freed.setdefault(user, asyncio.Event())
+            try:
+                await asyncio.wait_for(freed.wait(), left)
+            except TimeoutError:
+                pass
+        self.running[user] = self.running.get(user, 0) + 1
 
     def end(self, user: str) -> None:
         left = self.running[user] - 1
@@ -95,6 +109,9 @@ class Users:
             self.running[user] = left
         else:
             del self.running[user]
+        freed = self._freed.pop(user, None)
+        if freed is not None:
+            freed.set()
 
 
 class Guard:

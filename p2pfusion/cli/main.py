@@ -243,8 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--requests-per-user by key rather than by address",
     )
     api.add_argument(
-        "--requests-per-user", type=whole_number(1), default=8, metavar="N",
-        help="generations one user (API key, or address) runs at once; more get 429 (default: 8)",
+        "--requests-per-user", type=whole_number(1), default=4, metavar="N",
+        help="generations one user (API key, or address) runs at once; more wait 2 s for a slot, then get 429 "
+        "(default: 4)",
     )
     api.add_argument(
         "--max-body", type=positive_bytes("MiB", 20), default=4 << 20, metavar="MIB",

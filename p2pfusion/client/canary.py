@@ -51,6 +51,8 @@ NEW_TOKENS = (4, 48)  # a canary's greedy tokens, drawn in this range
 MAX_IN_A_ROW = 8  # canaries sent one after the other after a generation, at most
 LONG = 0.5  # the share of canaries with a long prompt
 LONG_CHARACTERS = (300, 3000)  # of a long prompt's passage, drawn in this range
+STORE_TRIES = 3  # stores of a fault report before giving up on it
+STORE_RETRY = 5.0  # seconds between them
 USER_LENGTHS = (64, 128, 256, 512)  # `max_new_tokens` a one-off generation commonly asks for
 
 
@@ -259,8 +261,21 @@ class Canaries:
             if size > MAX_FAULT_BYTES - 1024:
                 log.warning("the evidence against peer %s takes %d bytes, too many for the DHT: not reported", hop.peer_id, size)
                 continue
+            if await self._publish(report):
+                result.reported.add(hop.peer_id)
+
+    async def _publish(self, report: FaultReport) -> bool:
+        """Store `report` in the DHT, trying again a few times: a refused store (a node's storage
+        full, no node reached) is said, never silent."""
+        swarm, model = self.core.swarm, self.core.access().model
+        for attempt in range(1, STORE_TRIES + 1):
             try:
-                if await asyncio.wait_for(core.swarm.report_faulty(core.access().model, report), REPORT_TIMEOUT):
-                    result.reported.add(hop.peer_id)
+                if await asyncio.wait_for(swarm.report_faulty(model, report), REPORT_TIMEOUT):
+                    return True
+                why = "no DHT node stored it"
             except (TimeoutError, OSError) as exc:
-                log.warning("could not report peer %s: %r", hop.peer_id, exc)
+                why = repr(exc)
+            log.warning("could not report peer %s (try %d of %d): %s", report.peer_id, attempt, STORE_TRIES, why)
+            if attempt < STORE_TRIES:
+                await asyncio.sleep(STORE_RETRY)
+        return False

@@ -215,9 +215,10 @@ def unreachable_key(model: str) -> str:
     return f"p2pfusion.unreachable.{model}"
 
 
-def fault_key(model: str) -> str:
-    """The DHT key of the fault reports against a model's peers (one subkey per accused and reporter)."""
-    return f"p2pfusion.faults.{model}"
+def fault_key(model: str, peer_id: str) -> str:
+    """The DHT key of the fault reports against one peer of a model (a subkey per reporter): a
+    flood of reports against other peers, made up or not, never fills it."""
+    return f"p2pfusion.faults.{model}.{peer_id}"
 
 
 MODELS_KEY = "p2pfusion.models"  # one ModelEntry per model, under the model's swarm key as subkey

@@ -130,11 +130,13 @@ class SwarmNode:
     async def report_faulty(self, model: str, report: FaultReport, ttl: float = FAULT_TTL) -> bool:
         """Tell other clients that `report.peer_id` computed wrong, signed as this node's."""
         value = {**report.to_value(), "model": model, "reporter": self.writer_id}
-        return await self._store(fault_key(model), report.peer_id, value, ttl)
+        return await self._store(fault_key(model, report.peer_id), report.peer_id, value, ttl)
 
-    async def fault_reports(self, model: str) -> list[tuple[str, FaultReport]]:
-        """(reporter, report) pairs; the reporter is the report's signer, whatever its value says."""
-        pairs = [(writer, FaultReport.from_value(value)) for _, writer, value in await self._read(fault_key(model))]
+    async def fault_reports(self, model: str, peers: Iterable[str]) -> list[tuple[str, FaultReport]]:
+        """(reporter, report) pairs against `peers`, read at once; the reporter is the report's
+        signer, whatever its value says."""
+        found = await asyncio.gather(*(self._read(fault_key(model, peer)) for peer in peers))
+        pairs = [(writer, FaultReport.from_value(value)) for entries in found for _, writer, value in entries]
         return [(writer, report) for writer, report in pairs if report is not None]
 
     async def lookup(self, model: str, run: str | None = None) -> list[PeerRecord]:

@@ -8,6 +8,7 @@ of that, `SwarmValidator` refuses:
 - values whose writer (a peer record's peer id, a report's reporter) is not the signer, or whose
   subkey is not the one their kind puts them under: one key, one subkey per writer and subject;
 - values that do not parse as their kind, or sit under another kind's or model's key;
+- fault reports whose receipt its accused's certified key did not sign (net/receipts.py);
 - expirations further out than the kind's cap, values over MAX_VALUE_BYTES (MAX_FAULT_BYTES for
   a fault report), subkeys over MAX_SUBKEY_BYTES, RSA keys shorter than 2048 bits (cheap to mint
   in bulk) or over 4096.
@@ -45,6 +46,7 @@ from p2pfusion.dht.records import (
     model_key,
     unreachable_key,
 )
+from p2pfusion.errors import ProofError
 from p2pfusion.net.identity import peer_id_of_key
 
 RECORD_TTL = 30.0  # peer records, model entries, unreachable reports: refreshed every 10 s
@@ -106,10 +108,21 @@ def claim_of(key: bytes, value: Any) -> Claim | None:
     if key == key_id(unreachable_key(model)):
         report = UnreachableReport.from_value(value)
         return None if report is None else Claim(Kind.UNREACHABLE, reporter, report.peer_id.encode())
-    if key == key_id(fault_key(model)):
-        fault = FaultReport.from_value(value)
-        return None if fault is None else Claim(Kind.FAULT, reporter, fault.peer_id.encode())
+    fault = FaultReport.from_value(value)
+    if fault is not None and key == key_id(fault_key(model, fault.peer_id)) and _signed_by_accused(fault):
+        return Claim(Kind.FAULT, reporter, fault.peer_id.encode())
     return None
+
+
+def _signed_by_accused(fault: FaultReport) -> bool:
+    """Whether the report's receipt is signed by a key its accused's identity certified: a report
+    costs its writer a real session through the peer it accuses (a receipt of it), and none can
+    be made against a peer that does not exist. Whether the evidence convicts, readers judge."""
+    try:
+        fault.evidence.receipt.verify(fault.evidence.cert.verify())
+    except ProofError:
+        return False
+    return True
 
 
 _OWNER = re.compile(rb"\[owner:(.+?)\]")

@@ -30,6 +30,9 @@ from p2pfusion.net.wire import Length
 # streams one source holds open at once: a client's 64 sessions (the peer's default share per
 # client) hold up to two each (the session's, and at its last hop its results), plus pings
 MAX_PER_SOURCE = 160
+# streams from all the clients behind one relay: a relay costs nothing to run, and a client that
+# can be reached only through one is rare (a NAT that hole punching did not open)
+MAX_PER_RELAY = 32
 MAX_CONNECTIONS = 4096  # streams held open at once in all, unless the fd limit calls for fewer
 FD_RESERVE = 256  # descriptors kept for everything else: model files, the DHT, the daemon's socket
 
@@ -56,16 +59,19 @@ def _fd_limit() -> int:
 
 
 class ConnectionCaps:
-    """Which incoming streams to admit: at most `per_source` open from one source, and `total` in all."""
+    """Which incoming streams to admit: at most `per_source` open from one source (`per_relay` from
+    all the clients behind one libp2p relay), and `total` in all."""
 
-    def __init__(self, per_source: int = MAX_PER_SOURCE, total: int | None = None):
+    def __init__(self, per_source: int = MAX_PER_SOURCE, total: int | None = None, per_relay: int = MAX_PER_RELAY):
         self.per_source = per_source
+        self.per_relay = per_relay
         self.total = connection_budget(_fd_limit()) if total is None else total
         self.open: dict[str, int] = {}
         self.open_total = 0
 
     def admit(self, source: str) -> bool:
-        if self.open_total >= self.total or self.open.get(source, 0) >= self.per_source:
+        cap = self.per_relay if source.startswith("circuit:") else self.per_source
+        if self.open_total >= self.total or self.open.get(source, 0) >= cap:
             return False
         self.open[source] = self.open.get(source, 0) + 1
         self.open_total += 1
@@ -85,6 +91,19 @@ class ConnectionCaps:
         else:
             del self.open[source]
         self.open_total -= 1
+
+
+def source_of_maddr(maddr: str) -> str:
+    """The source a libp2p stream counts against, from the address it arrived from: its IP, as a
+    direct connection from there would count; or, relayed ("/p2p/RELAY/p2p-circuit"), the relay's
+    bucket, which every client behind that relay shares."""
+    parts = maddr.split("/")
+    if "p2p-circuit" in parts:
+        relay = parts[parts.index("p2p-circuit") - 1]
+        return f"circuit:{relay}"
+    if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+        return source_of((parts[2],))
+    return "ip:unknown"
 
 
 def source_of(peername: object) -> str:
@@ -117,8 +136,9 @@ class ClientProof:
 
 @dataclass(frozen=True)
 class Source:
-    address: str  # "ip:<address>" for direct connections, "peer:<id>" for libp2p streams: the unit of caps
-    client: str | None = None  # "key:<digest>" when the client proved a key: the unit of fair scheduling
+    address: str  # "ip:<address>", or "circuit:<relay id>" for a relayed libp2p stream: the unit of caps
+    # "key:<digest>" when a direct connection's client proved a key, "peer:<id>" on libp2p: the unit of fair scheduling
+    client: str | None = None
     peer: str | None = None  # the peer id the stream proved (libp2p's own, or a direct hello's proof)
 
     @property

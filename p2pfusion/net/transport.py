@@ -29,7 +29,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerErr
 
 from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
 from p2pfusion.net import wire
-from p2pfusion.net.clients import ClientKey, ClientProof, ConnectionCaps, Source, client_of, source_of
+from p2pfusion.net.clients import ClientKey, ClientProof, ConnectionCaps, Source, client_of, source_of, source_of_maddr
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, PeerProof, PeerProofs, client_context, peer_of, verify_peer
 from p2pfusion.net.secret import SecretProof, SwarmSecret
@@ -185,7 +185,9 @@ class Transport:
 
         async def via_libp2p(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             peer = info.peer_id.to_base58()
-            source = f"peer:{peer}"
+            # identities cost nothing: a stream counts against the address it came from, as a
+            # direct connection from there does, and its peer id only splits that address's share
+            source = source_of_maddr(str(info.addr))
             if not self.caps.admit(source):
                 writer.close()
                 self._log_refusal(source)
@@ -193,7 +195,7 @@ class Transport:
             counted = self._counted(source, peer)
             try:
                 if self.secret is None or await self._proven(reader, protocol, source):
-                    await handler(reader, writer, Source(source, peer=peer))
+                    await handler(reader, writer, Source(source, client=f"peer:{peer}", peer=peer))
                 else:
                     writer.close()
             finally:

@@ -19,12 +19,12 @@ MIB = 1 << 20
 # moment (and the client tries other peers meanwhile); its own end only when it closes them
 ROOM_RETRY = 2.0
 SHARE_RETRY = 10.0
-ORIGIN_KINDS = ("ip:", "peer:")  # the addresses a first hop counts a client's sessions against (net.clients)
+ORIGIN_KINDS = ("ip:", "circuit:")  # the addresses a first hop counts a client's sessions against (net.clients)
 
 
 @dataclass(frozen=True)
 class Reservation:
-    source: str  # "ip:<address>" or "peer:<id>", as the transport names who sent the Open
+    source: str  # "ip:<address>" or "circuit:<relay id>", as the transport names who sent the Open
     nbytes: int
 
 

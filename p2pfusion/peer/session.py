@@ -58,7 +58,7 @@ class Session:
     params: StageParams | None = None  # its client's parameters for these layers
     compute_seconds: float = 0.0  # of the last step: the time budget of a training transfer
     feedback: dict[str, ErrorFeedback] = field(default_factory=dict)  # top-k residuals, per direction
-    # the address its caps count against ("ip:<address>" or "peer:<id>"): the sender's, or, relayed
+    # the address its caps count against ("ip:<address>" or "circuit:<relay id>"): the sender's, or, relayed
     # by a listed peer, the client's as its first hop saw it (peer.admission.vouched_origin)
     source: str = "unknown"
     client: str = "unknown"  # whose share of compute its steps use (peer.batching.fairness_unit)

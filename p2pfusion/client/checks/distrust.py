@@ -1,6 +1,7 @@
 """Which peers a client stops routing through, beyond those its own checks caught: the peers that a
 fault report in the DHT convicts, by this client's own judgement of the report's evidence
-(client/checks/evidence.py), read again every REFRESH_SECONDS. Reports are evidence, not votes:
+(client/checks/evidence.py), read again every REFRESH_SECONDS from the key of each peer the
+model's records list (dht/records.py, `fault_key`). Reports are evidence, not votes:
 one that holds convicts however few wrote it; one that does not convicts nobody and discredits
 its signer (its reports not judged yet are no longer judged). And the peers it suspects: those whose results it saw
 wrong without evidence to show, which canaries (client/canary.py) go through."""
@@ -18,7 +19,7 @@ import msgpack
 from p2pfusion.client.checks.evidence import judge_report
 from p2pfusion.client.checks.local import Recomputer
 from p2pfusion.client.route.access import SwarmAccess
-from p2pfusion.dht.records import FaultReport
+from p2pfusion.dht.records import FaultReport, PeerRecord, PeerState
 from p2pfusion.net.wire import encode
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,7 @@ REFRESH_SECONDS = 30.0  # how often other clients' fault reports are read again
 REPORT_TIMEOUT = 10.0
 JUDGED_PER_READ = 4  # new reports judged per read: each costs a canary's computation here
 MAX_SUSPECTS = 64
+MAX_ACCUSED_READ = 64  # peers whose fault reports one read fetches (a key each)
 
 
 def evidence_key(report: FaultReport) -> bytes:
@@ -51,12 +53,19 @@ class Distrust:
         if time.monotonic() - self._read_at < REFRESH_SECONDS:
             return
         self._read_at = time.monotonic()
+        swarm, model = self.access.swarm, self.access.model
         try:
-            reports = await asyncio.wait_for(self.access.swarm.fault_reports(self.access.model), REPORT_TIMEOUT)
+            records = await asyncio.wait_for(swarm.lookup(model), REPORT_TIMEOUT)
+            reports = await asyncio.wait_for(swarm.fault_reports(model, self._accused(records)), REPORT_TIMEOUT)
         except (TimeoutError, OSError) as exc:
             log.debug("cannot read fault reports: %r", exc)
             return
         await self.judge(reports)
+
+    def _accused(self, records: list[PeerRecord]) -> list[str]:
+        """The peers whose reports are read: those listed, the ones this client routes through first."""
+        listed = {r.peer_id for r in records if r.state in (PeerState.ONLINE, PeerState.BACKUP)}
+        return sorted(listed, key=lambda peer: -self.access.routed[peer])[:MAX_ACCUSED_READ]
 
     async def judge(self, reports: list[tuple[str, FaultReport]]) -> None:
         """Convict the peers that reports which hold accuse (JUDGED_PER_READ new ones at most)."""
