@@ -2,12 +2,15 @@
 with the evidence of a canary's receipts, and routed around, and the user still gets transformers'
 own tokens."""
 
+import asyncio
 import logging
+import time
 
 import torch
 import uvloop
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import join_swarm
 from tests.conftest import reference_model
 from tests.swarm import running_peers, start_peer, stop_peer
@@ -79,3 +82,43 @@ def test_liar_is_caught_named_reported_and_avoided(tiny_models, caplog):
     # the report's evidence is the canary's receipt, signed by the liar
     assert [(reporter, report.peer_id) for reporter, report in reports] == [(checker[2], liar)]
     assert reports[0][1].evidence.receipt.peer_id == liar and reports[0][1].error > 1e-3
+
+
+async def tarpit_backups(source):
+    """Fake warm backups of every layer, claiming 1e9 steps/s, at an address that accepts and never
+    answers: a checking route prefers backups and the fastest claims, so each check met one first."""
+    held = []
+
+    async def accept(reader, writer):
+        held.append(writer)
+
+    tarpit = await asyncio.start_server(accept, "127.0.0.1", 0)
+    port = tarpit.sockets[0].getsockname()[1]
+    async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
+        liar = await start_peer(source, maddrs, (2, 4), throughput="1000")
+        lie(liar, noise)
+        fakes = [await join_swarm(maddrs) for _ in range(3)]  # a record is bound to its signer: a node each
+        try:
+            for node in fakes:
+                await node.announce(PeerRecord(
+                    source.key, node.peer_id, [], 0, 4, PeerState.BACKUP, 1e9, None, "tarpit",
+                    data_addrs=[f"127.0.0.1:{port}"], since=time.time(),
+                ))
+            caught = await generate(source, maddrs, verify=1.0)
+        finally:
+            for node in fakes:
+                await node.shutdown()
+            await stop_peer(liar)
+            tarpit.close()
+    return liar.swarm.peer_id, caught
+
+
+def test_records_that_never_answer_cost_a_ping_not_a_check(tiny_models, caplog):
+    source = tiny_models["llama"]
+    caplog.set_level(logging.WARNING, logger="p2pfusion")
+    liar, (result, distrusted, _) = uvloop.run(tarpit_backups(source))
+    with torch.no_grad():
+        expected = reference_model(source).generate(
+            torch.tensor([IDS]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[0, len(IDS):].tolist()
+    assert result.token_ids == expected and result.rewinds >= 1 and liar in distrusted
+    assert not any("checking routes failed" in r.getMessage() for r in caplog.records)

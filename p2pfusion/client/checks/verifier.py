@@ -33,7 +33,7 @@ from p2pfusion.client.checks.policy import (
     tolerance,
     unchecked_layers,
 )
-from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession, cut, joined
+from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, SCREEN_BUDGET, ResilientSession, cut, joined
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RouteError
@@ -269,11 +269,7 @@ class Verifier:
         if self._shadow is None:
             records = await self.blame.records()
             await self.blame.distrust.refresh()
-            observed = self.access.health.observed
-            route = alternative_route(
-                records, self.access.num_layers, primary, self.blame.avoided(records), observed, self.session.length,
-                self.session.first,
-            )
+            route = await self._checking_route(records, primary)
             reused = set() if route is None else {r.peer_id for r in route} & primary
             self._warn_unchecked([] if route is None else unchecked_layers(route, primary))
             if route is None or len(reused) == len(route):
@@ -286,6 +282,26 @@ class Verifier:
         out = await self._shadow.step(inputs, LONG_STEP_TIMEOUT, mask, positions)
         done, self._shadow_length = self._shadow_length, end
         return out[:, start - done:]
+
+    async def _checking_route(self, records: list[PeerRecord], primary: set[str]) -> list[PeerRecord] | None:
+        """The checking route among peers that answer a ping: records that claim anything and never
+        answer cost a ping each, not a check (unscreened, the fastest claims would win every
+        check, and each would fail only after its timeout)."""
+        access = self.access
+        avoid, deadline = self.blame.avoided(records), time.monotonic() + SCREEN_BUDGET
+        while True:
+            route = alternative_route(
+                records, access.num_layers, primary, avoid, access.health.observed, self.session.length,
+                self.session.first,
+            )
+            unpinged = [r for r in route or () if r.peer_id not in primary and not access.reach.fresh(r.peer_id)]
+            if not unpinged or time.monotonic() > deadline:
+                return route
+            silent = await access.reach.screen(access.swarm.transport, unpinged)
+            for record in unpinged:
+                if record.peer_id in silent:
+                    access.health.failed(record.peer_id, record.since)
+            avoid |= silent
 
     def _warn_unchecked(self, ranges: list[tuple[int, int]]) -> None:
         new = [r for r in ranges if r not in self._warned]
