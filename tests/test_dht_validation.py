@@ -20,8 +20,10 @@ from p2pfusion.dht.records import (
     ModelEntry,
     PeerRecord,
     PeerState,
+    RunCharter,
     fault_key,
     model_key,
+    run_key,
     unreachable_key,
 )
 from p2pfusion.dht.storage import CappedStorage
@@ -189,3 +191,14 @@ def test_storage_caps_subkeys_per_key_and_entries_in_all():
     for s in "pqrs":
         whole.store(s, b"v", later)
     assert storage.store(DHTID.generate("c"), whole, later) is False  # nothing left for a new key
+
+
+def test_a_run_charter_is_its_drivers_alone(keys):
+    node, alice, mallory = keys["node"], keys["alice"], keys["mallory"]
+    driver = alice.writer_id
+    charter = RunCharter("m", "run-1", driver, [mallory.writer_id], True, 1e-3, 0.7, 20, 1.0)
+    assert node.validate(_record(alice, run_key("m", "run-1"), driver, charter.to_value(), ttl=600))
+    # mallory cannot write it in the driver's name, nor file it under another run's key
+    assert not node.validate(_record(mallory, run_key("m", "run-1"), driver, charter.to_value(), ttl=600))
+    assert not node.validate(_record(alice, run_key("m", "run-2"), driver, charter.to_value(), ttl=600))
+    assert not node.validate(_record(alice, run_key("m", "run-1"), driver, charter.to_value(), ttl=900))

@@ -4,17 +4,19 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from dataclasses import replace
 
 import pytest
 import torch
-from hivemind.p2p import P2P
 from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.run.replicas import chains, served, split_rows, stages
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.run.trainer import SwarmTrainer
-from p2pfusion.dht.records import PeerState
+from p2pfusion.dht.records import PeerState, RunCharter
+from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import PeerRefused, RequestError, RouteError
 from p2pfusion.models.formats import layer_shapes
 from p2pfusion.models.source import resolve_model
@@ -24,6 +26,7 @@ from p2pfusion.net.compression import Codec, Purpose
 from p2pfusion.net.run_calls import call, fetch_state
 from p2pfusion.peer.balance import misfit, training_stage
 from p2pfusion.peer.replica import OuterHyper
+from p2pfusion.peer.run_owner import agreed, refusal
 from policy_records import rec
 from swarm import peers_in_background
 
@@ -142,6 +145,8 @@ def test_bad_requests_are_refused_and_leave_the_weights_untouched(tiny_models):
         me, addrs = peers[0].swarm.peer_id, peers[0].record.data_addrs
 
         async def go():
+            # the caller stands in for the run's driver: the replica obeys its charter's driver only
+            assert await peers[0].swarm.publish_charter(RunCharter(source.key, "guard", me, [me], True, LR, 1.0, 1, time.time()))
             record = (await peers[0].swarm.lookup(source.key, "guard"))[0]
             assert record.train_run == "guard" and record.state == PeerState.ONLINE
             # inference on a training replica: one clear line
@@ -174,6 +179,51 @@ def test_bad_requests_are_refused_and_leave_the_weights_untouched(tiny_models):
         t.from_header({"kind": "status", "run": "bad name!"})
     with pytest.raises(RequestError, match="sync_every"):
         SwarmTrainer.connect(str(source.folder), ["/ip4/127.0.0.1/tcp/1/p2p/x"], run="r", sync_every=0)
+
+
+def test_only_the_runs_driver_steers_its_replicas(tiny_models, tmp_path):
+    """A stranger (not the run's driver, not a replica) runs a training session, steps with lr 100,
+    averages the replica alone, reads its state: all refused, the weights untouched. The driver
+    cannot pass its own bound either, and a second driver cannot take the run's name."""
+    source = tiny_models["llama"]
+    with peers_in_background(source, [(0, 4)], train="owned") as (peers, maddrs, loop):
+        replica = peers[0].training.replica
+        with SwarmTrainer.connect(str(source.folder), maddrs, run="owned", sync_every=100, lr=LR) as trainer:
+            trainer.step(BATCHES[0])
+            before = [w.detach().clone() for w in [*replica.weights, *replica.outer]]
+
+            async def stranger() -> list[str]:  # one that proves who it is: its peer id is not the driver's
+                node = await join_swarm(maddrs, client_mode=True, identity_path=str(tmp_path / "stranger.key"))
+                refused = []
+                try:
+                    record = (await node.lookup(source.key, "owned"))[0]
+                    session = RouteSession(node.transport, [record], 8, Codec.NONE, None, Purpose.TRAINING, 1)
+                    with pytest.raises(PeerRefused) as caught:
+                        await session.open()
+                    refused.append(str(caught.value))
+                    for request in (t.ApplyStep("owned", 0, 1, 0, 1, 100.0), t.DiscardStep("owned", 1),
+                                    t.OuterStep("owned", 0, [record.peer_id], lr=5.0)):
+                        with pytest.raises(PeerRefused) as caught:
+                            await call(node.transport, record.peer_id, record.data_addrs, request)
+                        refused.append(str(caught.value))
+                    with pytest.raises(RequestError) as caught:
+                        await fetch_state(node.transport, record.peer_id, record.data_addrs,
+                                          t.FetchState("owned", source.key, 0, 4), layer_shapes(source.folder, 0, 4))
+                    refused.append(str(caught.value))
+                finally:
+                    await node.shutdown()
+                return refused
+
+            refused = loop.run(stranger())
+            assert "training sessions come from the run's driver" in refused[0]
+            assert all("only the run's driver" in r for r in refused[1:4]), refused
+            assert "the run's state is for its driver and its replicas" in refused[4]
+            assert all(torch.equal(a, b.detach()) for a, b in zip(before, [*replica.weights, *replica.outer]))
+            with pytest.raises(RequestError, match="max_lr"):
+                trainer.step(BATCHES[1], lr=1.0)
+            with pytest.raises(RequestError, match="belongs to driver"):
+                SwarmTrainer.connect(str(source.folder), maddrs, run="owned", identity=str(tmp_path / "other.key"))
+            assert trainer.step(BATCHES[1]) > 0 and replica.step == 2
 
 
 def test_micro_batches_spread_over_replicas_and_stages_must_tile():
@@ -214,15 +264,15 @@ def test_an_averaging_round_with_a_dead_member_fails_cleanly_and_the_survivors_a
     tensors unchanged, and a round of the survivors alone gives their average."""
 
     async def go():
-        hosts = [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])]
-        first = [str(a) for a in await hosts[0].get_visible_maddrs()]
-        hosts += [await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=first) for _ in range(2)]
-        averagers = [GroupAverager(h, "test") for h in hosts[:2]]
+        nodes = [await join_swarm([])]
+        first = await nodes[0].maddrs()
+        nodes += [await join_swarm(first) for _ in range(2)]
+        averagers = [GroupAverager(n.transport, "test") for n in nodes[:2]]
         try:
             for averager in averagers:
                 await averager.start()
-            ids = [h.peer_id.to_base58() for h in hosts]
-            await hosts[2].shutdown()  # named in the group, gone
+            ids = [n.peer_id for n in nodes]
+            await nodes[2].shutdown()  # named in the group, gone
             tensors = [[torch.full((300_000,), float(i)), torch.full((7,), 10.0 * i)] for i in range(2)]
             kept = [[x.clone() for x in ts] for ts in tensors]
             rounds = [a.average(b"with-dead", ts, ids, 1.0) for a, ts in zip(averagers, tensors)]
@@ -236,7 +286,71 @@ def test_an_averaging_round_with_a_dead_member_fails_cleanly_and_the_survivors_a
         finally:
             for averager in averagers:
                 await averager.stop()
-            for host in hosts[:2]:
-                await host.shutdown()
+            for node in nodes[:2]:
+                await node.shutdown()
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("poison", ["huge", "flipped", "shapes", "nan"])
+def test_one_bad_member_of_four_barely_moves_the_average(poison):
+    """Three honest members and one that sends huge values, the honest direction reversed, tensors
+    of other shapes, or NaN: every honest member gets the same result, near the honest mean."""
+
+    async def go():
+        nodes = [await join_swarm([])]
+        nodes += [await join_swarm(await nodes[0].maddrs()) for _ in range(3)]
+        averagers = [GroupAverager(n.transport, "robust") for n in nodes]
+        generator = torch.Generator().manual_seed(0)
+        honest = [[torch.randn(50_000, generator=generator) * 0.1 + 1.0, torch.randn(3, 5, generator=generator) * 0.1 + 1.0]
+                  for _ in range(3)]
+        bad = {"huge": [t * 1e6 for t in honest[0]], "flipped": [-3 * t for t in honest[0]],
+               "shapes": [torch.ones(7), torch.ones(2)], "nan": [t * float("nan") for t in honest[0]]}[poison]
+        try:
+            for averager in averagers:
+                await averager.start()
+            ids = [n.peer_id for n in nodes]
+            rounds = [a.average(b"poisoned", ts, ids, 5.0) for a, ts in zip(averagers, [*honest, bad])]
+            outcomes = await asyncio.gather(*rounds, return_exceptions=True)
+            return outcomes[:3]
+        finally:
+            for averager in averagers:
+                await averager.stop()
+            for node in nodes:
+                await node.shutdown()
+
+    results = asyncio.run(go())
+    generator = torch.Generator().manual_seed(0)
+    honest = [[torch.randn(50_000, generator=generator) * 0.1 + 1.0, torch.randn(3, 5, generator=generator) * 0.1 + 1.0]
+              for _ in range(3)]
+    flat = [torch.cat([t.reshape(-1) for t in ts]) for ts in honest]
+    mean = sum(flat) / 3
+    # no further from the honest mean than an honest member is: as good as trusting any one of them
+    spread = sorted(float((f - mean).norm()) for f in flat)[1]
+    for result in results:
+        assert all(torch.equal(a, b) for a, b in zip(result, results[0]))  # every honest member alike
+        error = float((torch.cat([t.reshape(-1) for t in result]) - mean).norm())
+        assert error < spread, (error, spread)
+
+
+def test_whom_a_replica_obeys_and_whose_state_a_joiner_copies():
+    charter = RunCharter("m", "r", "QmDriver", ["QmA", "QmB"], False, 1e-3, 0.7, 10, 1.0)
+    apply = t.ApplyStep("r", 0, 0, 1, 1, 1e-3)
+    assert refusal(apply, charter, "QmDriver", "QmA") is None
+    assert "only the run's driver" in refusal(apply, charter, "QmB", "QmA")
+    assert "proved no peer id" in refusal(apply, charter, None, "QmA")
+    assert "over the run's bound" in refusal(t.ApplyStep("r", 0, 0, 1, 1, 0.1), charter, "QmDriver", "QmA")
+    assert "does not list" in refusal(t.OuterStep("r", 0, ["QmA", "QmX"]), charter, "QmDriver", "QmA")
+    assert refusal(t.OuterStep("r", 0, ["QmA", "QmB"]), charter, "QmDriver", "QmA") is None
+    fetch = t.FetchState("r", "m", 0, 4)
+    assert refusal(fetch, charter, "QmB", "QmA") is None and refusal(fetch, charter, "QmX", "QmA", joining=True)
+    assert refusal(fetch, replace(charter, open=True), "QmX", "QmA", joining=True) is None
+    assert refusal("session", charter, "QmB", "QmA") is None and refusal("session", charter, "QmX", "QmA")
+    assert refusal(t.Status("r", 3), None, None, "QmA") is None and refusal(apply, None, "QmDriver", "QmA")
+
+    def answer(peer, round_, digest):
+        return t.StateEnd("r", 0, 4, 5, round_, 0, 5, 3, 0, digest), rec(0, 4, name=peer)
+    honest, liar = b"h" * 32, b"l" * 32
+    answers = [answer("a", 2, honest), answer("b", 2, honest), answer("c", 7, liar)]
+    assert [r.peer_id for _, r in agreed(answers)] == ["a", "b", "c"]  # claiming to be ahead wins nothing
+    assert [r.peer_id for _, r in agreed(answers, 3)] == ["c"]

@@ -71,6 +71,7 @@ async def run_peer(args, device: str) -> None:
         metrics_host=args.metrics_host,
         swarm_secret=secret,
         train=args.train,
+        run_driver=args.run_driver,
     )
 
     def ready(maddrs: list[str]) -> None:

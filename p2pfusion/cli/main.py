@@ -32,6 +32,7 @@ from p2pfusion.cli.options import (
     ip_address,
     layer_range,
     mebibytes,
+    peer_id,
     positive_bytes,
     precision_options,
     temperature,
@@ -131,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--train", type=run_name, metavar="RUN",
         help="be a replica of training run RUN: train this stage's weights (float32, AdamW) on the run's "
         "micro-batches and average them with the stage's other replicas; serves no inference (docs/training.md)",
+    )
+    peer.add_argument(
+        "--run-driver", type=peer_id, metavar="PEER_ID",
+        help="with --train: obey only this driver (the peer id SwarmTrainer logs); default: the run's first driver",
     )
     peer.add_argument(
         "--throughput", type=throughput, default="auto", metavar="auto|eval|N",

@@ -48,6 +48,12 @@ def layer_range(text: str) -> tuple[int, int]:
     return start, end
 
 
+def peer_id(text: str) -> str:
+    if not 0 < len(text) <= 128 or not text.isascii() or not text.isalnum():
+        raise argparse.ArgumentTypeError(f"expected a peer id (letters and digits, as Qm... or 12D3KooW...), got {text!r}")
+    return text
+
+
 def run_name(text: str) -> str:
     if not 0 < len(text) <= 64 or not all(c.isalnum() or c in "-_." for c in text):
         raise argparse.ArgumentTypeError(f"a run name is 1 to 64 letters, digits, '-', '_' or '.', got {text[:80]!r}")

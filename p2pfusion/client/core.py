@@ -76,12 +76,15 @@ class ClientCore:
                 raise ModelError(f"cannot load the tokenizer of {self.source.name}: {exc}") from exc
         return self._tokenizer
 
-    async def join(self, initial_peers: Sequence[str]) -> SwarmNode:
-        """Join the swarm that `initial_peers` belong to (a private one with the options' secret)."""
+    async def join(self, initial_peers: Sequence[str], identity_path: str | None = None) -> SwarmNode:
+        """Join the swarm that `initial_peers` belong to (a private one with the options' secret),
+        as the identity in `identity_path` if given (made there if missing), else a fresh one."""
         if not initial_peers:
             raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
         t0 = time.perf_counter()
-        self.swarm = await join_swarm(list(initial_peers), client_mode=True, secret=self.options.swarm_secret)
+        self.swarm = await join_swarm(
+            list(initial_peers), client_mode=True, secret=self.options.swarm_secret, identity_path=identity_path
+        )
         log.info("joined the swarm in %.1f s", time.perf_counter() - t0)
         return self.swarm
 

@@ -185,6 +185,34 @@ class FaultReport:
         return _read(cls, value)
 
 
+MAX_REPLICAS = 256  # replicas one run's charter lists
+
+
+@dataclass(frozen=True)
+class RunCharter:
+    """A training run as its driver created it, signed by the driver (the writer is `driver`):
+    only the driver steers the run's replicas, within the bounds written here, and only the
+    replicas listed here average together and read the run's state. Of two charters of one run
+    name, the older is the run's (a replica may also be told its driver: `run-peer --run-driver`)."""
+
+    model: ModelKey
+    run: RunName
+    driver: PeerId
+    replicas: Annotated[list[PeerId], Length(MAX_REPLICAS)]
+    open: bool  # the driver admits every replica that announces the run; False: only those it was told
+    max_lr: Rate  # the largest inner learning rate an ApplyStep may carry
+    max_outer_lr: Rate
+    sync_every: Annotated[int, Bound(1, MAX_COUNT)]
+    created: Rate  # unix seconds
+
+    def to_value(self) -> dict[str, Any]:
+        return encode(self)
+
+    @classmethod
+    def from_value(cls, value: Any) -> RunCharter | None:
+        return _read(cls, value)
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """A model listed under MODELS_KEY: its swarm key (see models/fingerprint.py), the name its
@@ -213,6 +241,11 @@ def model_key(model: str) -> str:
 
 def unreachable_key(model: str) -> str:
     return f"p2pfusion.unreachable.{model}"
+
+
+def run_key(model: str, run: str) -> str:
+    """The DHT key of a training run's charter (a subkey per writer: the run's is its driver's)."""
+    return f"p2pfusion.run.{model}.{run}"
 
 
 def fault_key(model: str, peer_id: str) -> str:

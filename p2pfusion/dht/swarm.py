@@ -26,13 +26,15 @@ from p2pfusion.dht.records import (
     ModelEntry,
     PeerRecord,
     PeerState,
+    RunCharter,
     UnreachableReport,
     fault_key,
     model_key,
+    run_key,
     unreachable_key,
 )
 from p2pfusion.dht.storage import MAX_SUBKEYS, CappedStorage
-from p2pfusion.dht.validation import FAULT_TTL, MAX_MADDRS, RECORD_TTL, SwarmValidator, owner_of
+from p2pfusion.dht.validation import FAULT_TTL, MAX_MADDRS, RECORD_TTL, RUN_TTL, SwarmValidator, owner_of
 from p2pfusion.errors import ConfigError, RouteError
 from p2pfusion.net.secret import SwarmSecret
 from p2pfusion.net.transport import LIBP2P_ERRORS, Transport
@@ -138,6 +140,19 @@ class SwarmNode:
         found = await asyncio.gather(*(self._read(fault_key(model, peer)) for peer in peers))
         pairs = [(writer, FaultReport.from_value(value)) for entries in found for _, writer, value in entries]
         return [(writer, report) for writer, report in pairs if report is not None]
+
+    async def publish_charter(self, charter: RunCharter, ttl: float = RUN_TTL) -> bool:
+        """Write a run's charter, as its driver (this node's signer must be `charter.driver`)."""
+        return await self._store(run_key(charter.model, charter.run), charter.driver, charter.to_value(), ttl)
+
+    async def charters(self, model: str, run: str) -> list[RunCharter]:
+        """The charters written for run `run` of `model`, each by the driver it names, oldest first."""
+        found = []
+        for _, writer, value in await self._read(run_key(model, run)):
+            charter = RunCharter.from_value(value)
+            if charter is not None and charter.driver == writer and (charter.model, charter.run) == (model, run):
+                found.append(charter)
+        return sorted(found, key=lambda c: (c.created, c.driver))
 
     async def lookup(self, model: str, run: str | None = None) -> list[PeerRecord]:
         """Every valid, unexpired record of the model's peers, in all states: its serving peers, or

@@ -9,8 +9,9 @@ of that, `SwarmValidator` refuses:
   subkey is not the one their kind puts them under: one key, one subkey per writer and subject;
 - values that do not parse as their kind, or sit under another kind's or model's key;
 - fault reports whose receipt its accused's certified key did not sign (net/receipts.py);
+- a training run's charter written by another than the driver it names;
 - expirations further out than the kind's cap, values over MAX_VALUE_BYTES (MAX_FAULT_BYTES for
-  a fault report), subkeys over MAX_SUBKEY_BYTES, RSA keys shorter than 2048 bits (cheap to mint
+  a fault report or a run's charter), subkeys over MAX_SUBKEY_BYTES, RSA keys shorter than 2048 bits (cheap to mint
   in bulk) or over 4096.
 It runs where hivemind validates: on every store a node receives and on every value a search
 brings back. `claim_of` (pure) says what a value claims to be; the class adds the signature.
@@ -40,10 +41,12 @@ from p2pfusion.dht.records import (
     FaultReport,
     ModelEntry,
     PeerRecord,
+    RunCharter,
     UnreachableReport,
     fault_key,
     is_peer_id,
     model_key,
+    run_key,
     unreachable_key,
 )
 from p2pfusion.errors import ProofError
@@ -51,6 +54,7 @@ from p2pfusion.net.identity import peer_id_of_key
 
 RECORD_TTL = 30.0  # peer records, model entries, unreachable reports: refreshed every 10 s
 FAULT_TTL = 600.0  # fault reports are evidence; clients weigh them for a while
+RUN_TTL = 600.0  # a run's charter: its driver writes it again every few minutes while it drives
 CLOCK_SLACK = 30.0  # how far a writer's clock may run ahead of ours
 MAX_VALUE_BYTES = 4096  # a real peer record with 8 data addresses and its signature is about 1.5 KB
 MAX_FAULT_BYTES = 16384  # a fault report carries a canary's tokens, a receipt and rows: up to about 12 KB
@@ -64,9 +68,13 @@ class Kind(str, Enum):
     MODEL = "model"
     UNREACHABLE = "unreachable"
     FAULT = "fault"
+    RUN = "run"
 
 
-MAX_TTL = {Kind.PEER: RECORD_TTL, Kind.MODEL: RECORD_TTL, Kind.UNREACHABLE: RECORD_TTL, Kind.FAULT: FAULT_TTL}
+MAX_TTL = {
+    Kind.PEER: RECORD_TTL, Kind.MODEL: RECORD_TTL, Kind.UNREACHABLE: RECORD_TTL, Kind.FAULT: FAULT_TTL, Kind.RUN: RUN_TTL,
+}
+LARGE_KINDS = (Kind.FAULT, Kind.RUN)  # values up to MAX_FAULT_BYTES: evidence, a run's list of replicas
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,11 @@ def claim_of(key: bytes, value: Any) -> Claim | None:
     model = value.get("model")
     if not isinstance(model, str) or not 0 < len(model) <= MAX_KEY_LENGTH:
         return None
+    if "driver" in value:
+        charter = RunCharter.from_value(value)
+        if charter is None or key != key_id(run_key(model, charter.run)):
+            return None
+        return Claim(Kind.RUN, charter.driver, charter.driver.encode())
     if key == key_id(model_key(model)):
         record = PeerRecord.from_value(value)
         if record is None or len(value["maddrs"]) > MAX_MADDRS or len(value.get("data_addrs", ())) > MAX_DATA_ADDRS:
@@ -173,10 +186,10 @@ class SwarmValidator(RecordValidatorBase):
         now = get_dht_time()
         if len(record.value) > MAX_FAULT_BYTES or len(record.subkey) > MAX_SUBKEY_BYTES:
             return False
-        if record.expiration_time > now + FAULT_TTL + CLOCK_SLACK:
+        if record.expiration_time > now + max(MAX_TTL.values()) + CLOCK_SLACK:
             return False
         kind = self._signed_kind(record)
-        if kind is None or (kind != Kind.FAULT and len(record.value) > MAX_VALUE_BYTES):
+        if kind is None or (kind not in LARGE_KINDS and len(record.value) > MAX_VALUE_BYTES):
             return False
         return record.expiration_time <= now + MAX_TTL[kind] + CLOCK_SLACK
 

@@ -1,12 +1,20 @@
-"""Averaging tensors with a named group of peers, over this host's libp2p, by hivemind's butterfly
-all-reduce (`AllReduceRunner`): each of n peers reduces 1/n of the elements, so each sends and
-receives about 2 (n - 1) / n of its tensors' bytes.
+"""Averaging a training run's pseudo-gradients with a named group of replicas, so that a minority of
+bad members cannot steer the result: every member sends its tensors to every other, and each
+combines all of them itself by a robust mean (net/robust.py).
 
-Who is in a group, and when, is the caller's to agree on (the training driver names the group);
-this module only runs a round. A peer answers only the groups it runs now and only their members:
-libp2p authenticates peer ids, and `AllReduceRunner` refuses a sender outside the group. A round
-in which a member failed to reduce its part is an `AveragingFailed`: the caller's tensors are left
-as they were, so every member can retry with the survivors and all end with the same values.
+A butterfly all-reduce (hivemind's) costs each member about twice its tensors' bytes whatever the
+group's size, but hands each slice of the average to one member to compute: a bad member would
+write its slice for everyone. Here each member sends and receives (n - 1) times its tensors'
+bytes (n: the group's size; a stage has few replicas), and no member computes anything for another.
+
+Who is in a group is the caller's to agree on (the run's driver names it, from the replicas its
+charter lists: peer/run_owner.py); a stream counts as a member's only when it proved that
+member's peer id. A round in which some member's tensors did not come, or came in the wrong
+is an `AveragingFailed` on the members that missed them: their tensors are left as they were, and
+the driver runs the round again with the members that answer. A member whose tensors came in the
+wrong shapes, not finite, or far larger than the others', is left out of the mean by every member
+alike. (A member that sends different tensors to different members would make them disagree:
+the next joiner copies the state most replicas hold, peer/run_owner.py `agreed`.)
 """
 
 from __future__ import annotations
@@ -14,95 +22,188 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import AsyncIterator  # hivemind's servicer reads typing's iterator hints only
+from dataclasses import dataclass
+from typing import Annotated, ClassVar
 
 import torch
-from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import Float16Compression, NoCompression
-from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
-from hivemind.proto import averaging_pb2
-from hivemind.utils.asyncio import achain, aiter_with_timeout, as_aiter
 
-from p2pfusion.errors import RequestError
+from p2pfusion.errors import PeerFailed, RequestError
+from p2pfusion.net import messages as m
+from p2pfusion.net import wire
+from p2pfusion.net.clients import Source
+from p2pfusion.net.codecs import pack, unpack
+from p2pfusion.net.compression import Codec
+from p2pfusion.net.framing import FrameError, FrameLimits, read_frame, write_frame
+from p2pfusion.net.robust import robust_mean
+from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
 
-COMPRESSIONS = {"none": NoCompression(), "float16": Float16Compression()}
+PROTOCOL = "p2pfusion.average.v2"
+CODECS = {"none": Codec.NONE, "float16": Codec.FLOAT16}
+START_WAIT = 30.0  # a member's tensors may come before this peer starts the round: they wait this long
+MAX_TENSORS = 4096  # parameters of one stage
+LIMITS = FrameLimits(header=4096, tensor_kinds=frozenset({"average_part"}))
 
 
 class AveragingFailed(RequestError):
-    """A round ended without every part averaged: the tensors are unchanged."""
+    """A round ended without every member's tensors here: the tensors are unchanged."""
 
 
-class GroupAverager(ServicerBase):
-    def __init__(self, p2p: P2P, namespace: str):
-        self._p2p = p2p
-        self._namespace = namespace
-        self._rounds: dict[bytes, asyncio.Future] = {}  # group id -> its runner, once this peer starts it
-        self.wire_bytes = 0  # tensor parts this peer received and answered, both directions
+@dataclass(frozen=True)
+class AveragePart:
+    """One of a member's tensors for a round (the tensor travels beside the header)."""
+
+    kind: ClassVar[str] = "average_part"
+    namespace: Annotated[str, wire.Length(256)]
+    group: Annotated[bytes, wire.Length(32, 1)]
+    index: Annotated[int, wire.Bound(0, MAX_TENSORS - 1)]
+    count: Annotated[int, wire.Bound(1, MAX_TENSORS)]
+
+
+PARTS = {AveragePart.kind: AveragePart}
+
+
+class _Round:
+    def __init__(self, members: list[str] | None = None, shapes: list[torch.Size] | None = None):
+        self.members, self.shapes = members, shapes
+        self.started = asyncio.Event()  # the members and shapes are known
+        self.received: dict[str, list[torch.Tensor] | None] = {}
+        self.complete = asyncio.Event()
+
+    def start(self, members: list[str], shapes: list[torch.Size], me: str) -> None:
+        self.members, self.shapes = members, shapes
+        self.others = [p for p in members if p != me]
+        self.started.set()
+        self._check()
+
+    def deliver(self, sender: str, tensors: list[torch.Tensor] | None) -> None:
+        """A member's tensors, or None for a member whose tensors are unusable (left out of the mean)."""
+        self.received[sender] = tensors
+        self._check()
+
+    def _check(self) -> None:
+        if self.started.is_set() and all(p in self.received for p in self.others):
+            self.complete.set()
+
+
+async def _answer(writer, message) -> None:
+    try:
+        await write_frame(writer, m.to_header(message))
+    except ConnectionError:  # the sender left: nothing to tell it
+        pass
+
+
+def _as_sent(tensor: torch.Tensor, codec: Codec) -> torch.Tensor:
+    if codec == Codec.NONE:
+        return tensor
+    packed = pack(tensor, codec)
+    return unpack(packed.spec, packed.body())
+
+
+class GroupAverager:
+    def __init__(self, transport: Transport, namespace: str):
+        self.transport = transport
+        self.namespace = namespace  # the run's: two runs on one host never mix their rounds
+        self._rounds: dict[bytes, _Round] = {}
+        self.wire_bytes = 0  # tensor bytes this peer sent and received in its rounds
 
     async def start(self) -> None:
-        await self.add_p2p_handlers(self._p2p, namespace=self._namespace)
+        await self.transport.add_handler(PROTOCOL, self._receive)
 
     async def stop(self) -> None:
-        await self.remove_p2p_handlers(self._p2p, namespace=self._namespace)
+        await self.transport.remove_handler(PROTOCOL)
 
     async def average(
         self, group_id: bytes, tensors: Sequence[torch.Tensor], peers: Sequence[str], timeout: float,
         compression: str = "none",
     ) -> list[torch.Tensor]:
-        """The group's average of `tensors` (every member passes the same shapes), computed with the
-        peers named, this one included; AveragingFailed when some member did not take part."""
-        me = self._p2p.peer_id.to_base58()
+        """The group's robust mean of `tensors` (every member passes the same shapes), from the
+        members named, this one included; AveragingFailed when some member's tensors did not come."""
+        me = self.transport.peer_id
         if me not in peers:
             raise RequestError("averaging: this peer is not in the group it was asked to join")
-        if len(set(peers)) == 1:
-            return [t.clone() for t in tensors]
-        ordered = [PeerID.from_base58(p) for p in sorted(set(peers))]
-        local = [t.detach().clone() for t in tensors]
-        runner = AllReduceRunner(
-            p2p=self._p2p, servicer_type=type(self), prefix=self._namespace, group_id=group_id, tensors=local,
-            ordered_peer_ids=ordered, peer_fractions=tuple(1.0 / len(ordered) for _ in ordered),
-            sender_timeout=timeout, reducer_timeout=2 * timeout, compression=COMPRESSIONS[compression],
-        )
-        self._rounds.setdefault(group_id, asyncio.get_running_loop().create_future()).set_result(runner)
+        members = sorted(set(peers))
+        # each member combines the others' tensors as they arrive, so its own as it sent them:
+        # every member then combines the very same values
+        local = [_as_sent(t.detach().float().cpu(), CODECS[compression]) for t in tensors]
+        if len(members) == 1:
+            return [t.clone() for t in local]
+        round_ = self._rounds.setdefault(group_id, _Round())
+        round_.start(members, [t.shape for t in local], me)
         try:
-            async with asyncio.timeout(4 * timeout):
-                index = 0
-                async for delta in runner:
-                    local[index].add_(delta)
-                    index += 1
-        except (AllreduceException, TimeoutError, OSError) as exc:
-            raise AveragingFailed(f"averaging round failed: {exc!r}") from exc
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(self._send(p, group_id, local, compression) for p in round_.others))
+                await round_.complete.wait()
+        except (TimeoutError, OSError, EOFError, FrameError, PeerFailed) as exc:
+            missing = [p for p in round_.others if p not in round_.received]
+            raise AveragingFailed(f"averaging round failed: no tensors from {', '.join(missing) or '?'} ({exc!r})") from exc
         finally:
             self._rounds.pop(group_id, None)
-        failed = runner.tensor_part_container.failed_size
-        if failed:
-            raise AveragingFailed(f"averaging round failed: {failed} values were not averaged (a member left)")
-        return local
+        usable = [p for p in members if p == me or round_.received[p] is not None]
+        flat = [torch.cat([t.reshape(-1) for t in (local if p == me else round_.received[p])]) for p in usable]
+        aggregate = await asyncio.to_thread(robust_mean, flat)
+        left_out = sorted(set(members) - set(usable)) + [usable[i] for i in aggregate.left_out]
+        if left_out:
+            log.warning("averaging: left out %s (tensors malformed, not finite, or far larger than the others')",
+                        ", ".join(left_out))
+        return [part.view_as(t).clone() for part, t in zip(aggregate.value.split([t.numel() for t in local]), local)]
 
-    async def rpc_aggregate_part(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """A member's part for us to reduce. It may come before this peer starts the round: it
-        waits for it (up to the sender's own timeout)."""
-        request = await anext(stream)
-        waiting = self._rounds.setdefault(request.group_id, asyncio.get_running_loop().create_future())
+    async def _send(self, peer: str, group_id: bytes, tensors: list[torch.Tensor], compression: str) -> None:
+        reader, writer = await self.transport.open(peer, [], PROTOCOL)  # libp2p, by peer id
         try:
-            runner = await asyncio.wait_for(asyncio.shield(waiting), 30.0)
-        except TimeoutError:
-            self._rounds.pop(request.group_id, None)
-            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-            return
-        self.wire_bytes += request.ByteSize()
+            for index, tensor in enumerate(tensors):
+                packed = pack(tensor, CODECS[compression])
+                self.wire_bytes += packed.nbytes
+                header = m.to_header(AveragePart(self.namespace, group_id, index, len(tensors)))
+                await write_frame(writer, header, packed)
+            reply, _ = await read_frame(reader, LIMITS)
+            if reply.get("kind") != m.Ack.kind:  # it leaves this peer out: the round goes on without its tensors
+                log.warning("averaging: %s refused this peer's tensors: %s", peer, str(reply.get("message"))[:200])
+        finally:
+            writer.close()
 
-        async def counted(parts):
-            async for part in parts:
-                self.wire_bytes += part.ByteSize()
-                yield part
+    async def _receive(self, reader, writer, source: Source) -> None:
+        """A member's tensors for a round this peer runs (or is about to)."""
+        joined: list[_Round] = []  # the round, once the sender proved a member of it
+        try:
+            await self._read_member(reader, source.peer, joined)
+        except (RequestError, FrameError, TimeoutError) as exc:
+            log.warning("averaging: refused tensors from %s: %s", source, exc)
+            if joined:  # a member that sent what no member could use: every member leaves it out
+                joined[0].deliver(source.peer, None)
+            await _answer(writer, m.Error(message=str(exc)))
+        except (EOFError, ConnectionError):
+            pass
+        else:
+            await _answer(writer, m.Ack())
+        writer.close()
 
-        parts = achain(as_aiter(request), counted(aiter_with_timeout(stream, runner.sender_timeout)))
-        async for reply in runner.rpc_aggregate_part(parts, context):
-            self.wire_bytes += reply.ByteSize()
-            yield reply
+    async def _read_member(self, reader, sender: str | None, joined: list[_Round]) -> None:
+        tensors: list[torch.Tensor] = []
+        round_: _Round | None = None
+        while True:
+            header, tensor = await asyncio.wait_for(read_frame(reader, LIMITS), START_WAIT)
+            part = m.from_header(header, PARTS)
+            if round_ is None:
+                if part.namespace != self.namespace:
+                    raise RequestError(f"this peer averages for {self.namespace}, not {part.namespace[:100]}")
+                round_ = self._rounds.setdefault(part.group, _Round())
+                try:
+                    await asyncio.wait_for(round_.started.wait(), START_WAIT)
+                except TimeoutError:
+                    if not round_.started.is_set():
+                        self._rounds.pop(part.group, None)
+                    raise RequestError("no round of that group runs here") from None
+                if sender is None or sender == self.transport.peer_id or sender not in round_.members:
+                    raise RequestError("the sender is not a member of this round")
+                joined.append(round_)
+            if part.index != len(tensors) or part.count != len(round_.shapes) or tensor is None:
+                raise RequestError("tensors out of order, or not as many as this round averages")
+            if tensor.shape != round_.shapes[part.index]:
+                raise RequestError(f"tensor {part.index} has shape {list(tensor.shape)}, not {list(round_.shapes[part.index])}")
+            self.wire_bytes += tensor.numel() * tensor.element_size()
+            tensors.append(tensor.float())
+            if len(tensors) == part.count:
+                round_.deliver(sender, tensors)
+                return

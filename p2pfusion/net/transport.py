@@ -112,7 +112,9 @@ class Transport:
         a forwarded port or has several interfaces."""
         kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=initial_peers)
         identity, scratch = None, None
-        if not client_mode:
+        # a client keeps an identity only when given one: a training run's driver, whom the run's
+        # replicas obey by its peer id
+        if not client_mode or identity_path is not None:
             if identity_path is None:  # a fresh key, used for this run only
                 scratch = tempfile.TemporaryDirectory(prefix="p2pfusion-id-")
                 key_file, kept = Path(scratch.name, "identity.key"), False

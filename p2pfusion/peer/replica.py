@@ -14,6 +14,7 @@ leaves the weights where the inner steps took them, so training equals local tra
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -51,6 +52,14 @@ class OuterHyper:
             raise RequestError(f"outer step settings out of range: {self}")
 
 
+def weights_digest(tensors: list[torch.Tensor]) -> bytes:
+    """sha256 of tensors' float32 values, in order: replicas whose outer weights agree share it."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.digest()
+
+
 def global_name(stage: Stage, local: str) -> str:
     """`layers.3.mlp.up_proj.weight` of a stage starting at layer 10 -> `model.layers.13.mlp.up_proj.weight`."""
     index, rest = local[len("layers."):].split(".", 1)
@@ -73,6 +82,8 @@ class Replica:
         self.step = 0  # inner steps taken
         self.round = 0  # outer steps taken
         self.micro = 0  # backward passes whose gradients wait for the next inner step
+        # of the outer weights, which change only at an outer step or a load (on the compute thread)
+        self.digest = weights_digest(self.outer)
 
     def shapes(self) -> dict[str, list[int]]:
         return {name: list(w.shape) for name, w in zip(self.names, self.weights)}
@@ -127,6 +138,7 @@ class Replica:
                 outer.sub_(delta.add(buf, alpha=hyper.momentum), alpha=hyper.lr)
                 weight.copy_(outer)
         self.round += 1
+        self.digest = weights_digest(self.outer)
 
     def state(self) -> dict[str, list[torch.Tensor]]:
         """What a joining replica needs to go on from here: the outer weights, the outer momentum
@@ -156,6 +168,7 @@ class Replica:
                 }
         self.discard()
         self.step, self.round = step, round_
+        self.digest = weights_digest(self.outer)
 
     @property
     def adam_steps(self) -> int:

@@ -23,7 +23,8 @@ from p2pfusion.net.clients import Source
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.framing import FrameError, FrameLimits, read_frame
 from p2pfusion.net.run_calls import fetch_state, status
-from p2pfusion.peer.replica import InnerHyper, OuterHyper, Replica
+from p2pfusion.peer.replica import InnerHyper, OuterHyper, Replica, weights_digest
+from p2pfusion.peer.run_owner import Charters, agreed, refusal
 from p2pfusion.peer.scheduler import Scheduler
 from p2pfusion.peer.server import StageServer
 from p2pfusion.peer.streams import send_quietly, write
@@ -40,13 +41,14 @@ def group_id(model: str, run: str, start: int, end: int, round_: int, attempt: i
 
 
 class ReplicaService:
-    def __init__(self, replica: Replica, model: str, swarm: SwarmNode, scheduler: Scheduler):
+    def __init__(self, replica: Replica, model: str, swarm: SwarmNode, scheduler: Scheduler, driver: str | None = None):
         self.replica = replica
         self.model = model
         self.swarm = swarm  # where it finds the stage's other replicas
         self.transport = swarm.transport
         self.scheduler = scheduler
-        self.averager = GroupAverager(self.transport.p2p, f"p2pfusion.average.{model}.{replica.run}")
+        self.charters = Charters(swarm, model, replica.run, driver)  # whom it obeys (peer/run_owner.py)
+        self.averager = GroupAverager(self.transport, f"{model}.{replica.run}")
         self._catching_up: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -60,12 +62,14 @@ class ReplicaService:
             self._catching_up.cancel()
 
     async def catch_up(self, wanted: int = 0) -> bool:
-        """Copy the state of the stage's most advanced other replica, if it is ahead of this one (or
-        at `wanted` or later); False when no other replica answers."""
+        """Copy the state that most of the stage's other replicas the run lists agree on (by digest),
+        if it is ahead of this one (or at `wanted` or later); False when no other replica answers."""
         stage, run = self.replica.stage, self.replica.run
+        charter = await self.charters.current()
         records = [
             r for r in await self.swarm.lookup(self.model, run)
-            if r.state == PeerState.ONLINE and (r.start, r.end) == (stage.start, stage.end) and r.peer_id != self.transport.peer_id
+            if r.state == PeerState.ONLINE and (r.start, r.end) == (stage.start, stage.end)
+            and r.peer_id != self.transport.peer_id and (charter is None or r.peer_id in charter.replicas)
         ]
         answers = []
         for record in records:
@@ -73,15 +77,14 @@ class ReplicaService:
                 answers.append((await status(self.transport, record.peer_id, record.data_addrs, t.Status(run)), record))
             except (PeerFailed, RequestError) as exc:
                 log.info("replica %s of layers %d:%d did not answer: %s", record.peer_id, stage.start, stage.end, exc)
-        answers.sort(key=lambda a: (a[0].round, a[0].step), reverse=True)
         request = t.FetchState(run, self.model, stage.start, stage.end)
-        for where, record in answers:
-            if where.round < max(wanted, self.replica.round):
-                break
+        for where, record in agreed(answers, max(wanted, self.replica.round)):
             try:
                 parts, end = await fetch_state(self.transport, record.peer_id, record.data_addrs, request, self.replica.shapes())
                 if any(set(part) != set(self.replica.names) for part in parts.values()):
                     raise RequestError(f"replica {record.peer_id} holds other weights than these layers")
+                if weights_digest([parts["outer"][name] for name in self.replica.names]) != where.digest:
+                    raise RequestError(f"replica {record.peer_id} sent other weights than those it said it holds")
             except (PeerFailed, RequestError) as exc:
                 log.warning("could not copy the state of replica %s: %s", record.peer_id, exc)
                 continue
@@ -107,6 +110,14 @@ class ReplicaService:
                 raise RequestError(f"unexpected {request.kind!r} request")
             if request.run != self.replica.run:
                 raise RequestError(f"this peer trains run {self.replica.run!r}, not {request.run!r}")
+            charter = await self.charters.current(source.peer)
+            joining = isinstance(request, t.FetchState) and charter is not None and charter.open and \
+                source.peer in {r.peer_id for r in await self.swarm.lookup(self.model, self.replica.run)}
+            why = refusal(request, charter, source.peer, self.transport.peer_id, joining)
+            if why is not None:
+                raise RequestError(f"{request.kind}: {why}")
+            if isinstance(request, t.Status) and (charter is None or source.peer != charter.driver):
+                request = t.Status(request.run)  # only the driver's round sends this replica catching up
             await serve(self, request, writer)
         except (RequestError, FrameError) as exc:
             log.warning("refused a training request from %s: %s", source, exc)
@@ -136,10 +147,17 @@ class ReplicaService:
             self._catching_up = asyncio.create_task(self.catch_up(request.round))
         await write(writer, t.to_header(self._where()))
 
+    async def admit_session(self, source: Source) -> None:
+        """A training session's Open: only the driver's, or a listed replica's relaying one."""
+        why = refusal("session", await self.charters.current(source.peer), source.peer, self.transport.peer_id)
+        if why is not None:
+            raise RequestError(f"open: {why}")
+
     def _where(self) -> t.StateEnd:
         r = self.replica
         return t.StateEnd(
-            r.run, r.stage.start, r.stage.end, r.step, r.round, r.micro, r.adam_steps, len(r.names), self.averager.wire_bytes,
+            r.run, r.stage.start, r.stage.end, r.step, r.round, r.micro, r.adam_steps, len(r.names),
+            self.averager.wire_bytes, r.digest,
         )
 
     async def _outer_step(self, request: t.OuterStep) -> None:
@@ -186,12 +204,21 @@ class ReplicaService:
     _SERVES = {t.ApplyStep: _apply, t.DiscardStep: _discard, t.OuterStep: _outer, t.Status: _status, t.FetchState: _send_state}
 
 
-async def join_run(swarm: SwarmNode, model: str, run: str, stage: Stage, server: StageServer) -> ReplicaService:
-    """Make `stage` a replica of `run`, with the current state of the stage's other replicas when
-    there are any (never the model's own weights then: those would be stale), and serve the run's
-    protocol. A ModelError when replicas exist but none could share its state."""
+async def join_run(
+    swarm: SwarmNode, model: str, run: str, stage: Stage, server: StageServer, driver: str | None = None
+) -> ReplicaService:
+    """Make `stage` a replica of `run` (obeying `driver`, if given, else the run's charter's), with
+    the current state of the stage's other replicas when there are any (never the model's own
+    weights then: those would be stale), and serve the run's protocol. A ModelError when replicas
+    exist but none could share its state, or when the run lists its replicas and not this one."""
     replica = Replica(stage, run)
-    service = ReplicaService(replica, model, swarm, server.compute.scheduler)
+    service = ReplicaService(replica, model, swarm, server.compute.scheduler, driver)
+    charter = await service.charters.current()
+    if charter is not None and not charter.open and swarm.peer_id not in charter.replicas:
+        raise ModelError(
+            f"training run {run} admits only the replicas its driver {charter.driver} lists, and not this peer "
+            f"({swarm.peer_id}): ask the driver to add it"
+        )
     if not await service.catch_up():
         raise ModelError(
             f"layers {stage.start}:{stage.end} of training run {run} have replicas, but none shared its state; "
@@ -199,6 +226,6 @@ async def join_run(swarm: SwarmNode, model: str, run: str, stage: Stage, server:
         )
     if replica.step == 0 and replica.round == 0:
         log.info("replica of layers %d:%d of run %s, from the model's weights", stage.start, stage.end, run)
-    server.serve_run(run, replica.ran_backward)
+    server.serve_run(run, replica.ran_backward, service.admit_session)
     await service.start()
     return service

@@ -86,6 +86,7 @@ class PeerOptions:
     metrics_host: str = "127.0.0.1"
     swarm_secret: SwarmSecret | None = None  # a private swarm's (--swarm-secret)
     train: str | None = None  # a training run's name (--train): this peer is a replica of one of its stages
+    run_driver: str | None = None  # the peer id of the only driver it obeys (--run-driver); None: the run's first
 
 
 class Peer:
@@ -239,7 +240,9 @@ class Peer:
             metrics=self.metrics,
         )
         if self.options.train is not None:
-            self.training = await join_run(self.swarm, self.model, self.options.train, stage, self.server)
+            self.training = await join_run(
+                self.swarm, self.model, self.options.train, stage, self.server, self.options.run_driver
+            )
         await self.server.start()
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import torch
 
@@ -82,14 +82,18 @@ class StageServer:
         self.draining = False
         self.training_run: str | None = None  # a training replica's run: it serves that run's micro-batches only
         self._backward_ran: Callable[[], None] = lambda: None
+        self._admit_training: Callable[[Source], Awaitable[None]] | None = None  # who may open its sessions
         self._streams: tuple[Stage, StreamLimits] | None = None
         self.metrics = metrics
         metrics.watch(self)
 
-    def serve_run(self, run: str, on_backward: Callable[[], None]) -> None:
-        """Serve as a replica of training run `run`: training sessions only, and `on_backward()`
-        after each backward pass (its weights' gradients have grown)."""
-        self.training_run, self._backward_ran = run, on_backward
+    def serve_run(
+        self, run: str, on_backward: Callable[[], None], admit: Callable[[Source], Awaitable[None]]
+    ) -> None:
+        """Serve as a replica of training run `run`: training sessions only, opened by those
+        `admit` lets in (it raises RequestError for others), and `on_backward()` after each
+        backward pass (its weights' gradients have grown)."""
+        self.training_run, self._backward_ran, self._admit_training = run, on_backward, admit
 
     @property
     def graph_bytes(self) -> int:
@@ -220,6 +224,8 @@ class StageServer:
 
     async def _serve_session(self, msg: m.Open, reader, writer, source: Source) -> None:
         self._check_open(msg)
+        if self._admit_training is not None:
+            await self._admit_training(source)
         origin = await self._vouched_origin(msg, source)
         caps = origin or source.address
         # a listed peer speaks for its client: the session is charged as at its first hop; anyone

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -26,8 +27,9 @@ from torch import nn
 from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.run.replicas import chains, served, split_rows, stages
-from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.dht.records import MAX_REPLICAS, PeerRecord, PeerState, RunCharter, is_peer_id
 from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.dht.validation import RUN_TTL
 from p2pfusion.errors import P2PFusionError, PeerFailed, RequestError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.net import probe
@@ -56,11 +58,20 @@ class RunConfig:
     averaging: str = "none"  # or "float16": the pseudo-gradients' precision on the wire
     averaging_timeout: float = 60.0  # a member silent this long is left out of a round
     wait: float = 300.0  # how long a step waits for a stage that has no replica
+    # the run's charter (dht/records.py): the largest inner learning rate any step may use (None:
+    # `lr`), and the replicas admitted (None: every replica that announces the run)
+    max_lr: float | None = None
+    replicas: tuple[str, ...] | None = None
+    identity: str | None = None  # the driver's key file (made if missing); None: one kept per model and run
 
     def check(self) -> None:
         t.check_run_name(self.run)
         if self.sync_every < 1:
             raise RequestError(f"sync_every must be at least 1, got {self.sync_every}")
+        if self.max_lr is not None and not (math.isfinite(self.max_lr) and self.max_lr >= self.lr):
+            raise RequestError(f"max_lr must be a finite number at least lr ({self.lr}), got {self.max_lr}")
+        if self.replicas is not None and not all(is_peer_id(p) for p in self.replicas):
+            raise RequestError("replicas must be peer ids")
         if self.averaging not in ("none", "float16"):
             raise RequestError(f"averaging must be 'none' or 'float16', got {self.averaging!r}")
         if not 0 < self.outer_lr <= 10 or not 0 <= self.outer_momentum < 1 or self.lr < 0:
@@ -83,9 +94,25 @@ class TrainingRun:
         # through one that has failed since is run again without it
         self._ready: dict[str, int] = {}
         self._waiting_since: float | None = None
+        self.charter: RunCharter | None = None  # as this driver last wrote it
+        self._written_at = -math.inf
 
     async def start(self) -> None:
-        """Take up the run where its replicas are."""
+        """Take up the run where its replicas are, as the driver its charter names (a run another
+        driver created first is a RequestError: its replicas obey that driver only)."""
+        config, me = self.config, self.swarm.writer_id
+        charters = await self.swarm.charters(self.source.key, config.run)
+        if charters and charters[0].driver != me:
+            raise RequestError(
+                f"training run {config.run} of {self.source.name} belongs to driver {charters[0].driver}; its replicas "
+                f"obey that driver only. Drive it with that driver's identity file, or start a run of another name"
+            )
+        created = charters[0].created if charters else time.time()
+        self.charter = RunCharter(
+            self.source.key, config.run, me, [], config.replicas is None, config.max_lr or config.lr, config.outer_lr,
+            config.sync_every, created,
+        )
+        log.info("driving training run %s as %s", config.run, me)
         answers = await self._statuses(await self._online())
         if not answers:
             raise RouteError(f"no replica of training run {self.config.run} of {self.source.name} answers")
@@ -93,9 +120,26 @@ class TrainingRun:
         self.step = max(a.step for a in answers.values() if a.round == self.round)
 
     async def _online(self) -> list[PeerRecord]:
-        now = time.monotonic()
-        records = await self.swarm.lookup(self.source.key, self.config.run)
-        return [r for r in records if r.state == PeerState.ONLINE and self._avoid.get(r.peer_id, 0.0) <= now]
+        """The admitted replicas online now, written into the charter first when it lacks some."""
+        now, allowed = time.monotonic(), self.config.replicas
+        records = [
+            r for r in await self.swarm.lookup(self.source.key, self.config.run)
+            if r.state == PeerState.ONLINE and (allowed is None or r.peer_id in allowed)
+        ]
+        await self._write_charter({r.peer_id for r in records})
+        return [r for r in records if self._avoid.get(r.peer_id, 0.0) <= now]
+
+    async def _write_charter(self, online: set[str]) -> None:
+        """List `online` in the charter (with those listed before, as room allows), and write it
+        when that changed it or it is due again."""
+        listed = set(self.charter.replicas)
+        if online <= listed and time.monotonic() - self._written_at < RUN_TTL / 3:
+            return
+        kept = sorted(online) + sorted(listed - online)
+        self.charter = replace(self.charter, replicas=kept[:MAX_REPLICAS])
+        if not await self.swarm.publish_charter(self.charter):
+            log.warning("training run %s: no DHT node stored its charter; replicas may refuse this driver", self.config.run)
+        self._written_at = time.monotonic()
 
     async def _statuses(self, records: list[PeerRecord]) -> dict[str, t.StateEnd]:
         request = t.Status(self.config.run, self.round)
@@ -141,6 +185,8 @@ class TrainingRun:
 
     async def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None, lr: float) -> float:
         """One inner step on the batch; its mean loss over the labelled tokens."""
+        if not 0 <= lr <= self.charter.max_lr:
+            raise RequestError(f"learning rate {lr} is outside the run's bounds [0, max_lr={self.charter.max_lr}]")
         hidden = self._embed(input_ids)
         while True:
             routes = chains(await self.replicas(), input_ids.shape[0])

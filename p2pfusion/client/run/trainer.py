@@ -14,7 +14,7 @@ from p2pfusion.client.options import ClientOptions
 from p2pfusion.client.run.driver import RunConfig, TrainingRun
 from p2pfusion.errors import RequestError
 from p2pfusion.models.formats import layer_shapes
-from p2pfusion.models.source import resolve_model
+from p2pfusion.models.source import cache_root, resolve_model
 from p2pfusion.models.stage import write_model
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,8 @@ class SwarmTrainer:
         **settings,
     ) -> SwarmTrainer:
         """Join the swarm and take up run `run` where its replicas are. `settings` are RunConfig's
-        (sync_every, lr, betas, eps, weight_decay, outer_lr, outer_momentum, averaging, ...);
+        (sync_every, lr, betas, eps, weight_decay, outer_lr, outer_momentum, averaging, max_lr, replicas,
+        identity, ...); the run's replicas obey the driver whose identity created the run;
         `options` the client's (a private swarm's `swarm_secret`, say: client/options.py). The run
         trains float32 weights: its driver's embeddings and head are float32 too."""
         if not initial_peers:
@@ -57,9 +58,13 @@ class SwarmTrainer:
         if options.dtype != torch.float32 or options.local_layers:
             raise RequestError("a training run's driver holds float32 embeddings and head, and runs no layer itself")
         core = ClientCore(resolve_model(model), options)
+        if config.identity is None:
+            kept = cache_root() / "drivers"
+            kept.mkdir(parents=True, exist_ok=True)
+        identity = config.identity or str(cache_root() / "drivers" / f"{core.source.key}.{config.run}.key")
         loop = BackgroundLoop()
         try:
-            swarm = loop.run(core.join(initial_peers))
+            swarm = loop.run(core.join(initial_peers, identity))
             driver = TrainingRun(swarm, core.source, core.head, core.num_layers, config)
             loop.run(driver.start())
         except BaseException:

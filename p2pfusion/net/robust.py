@@ -1,0 +1,61 @@
+"""An average that a minority of bad members cannot steer far (pure): the outer step's aggregate of
+the replicas' pseudo-gradients (net/averaging.py).
+
+Members whose vector is not finite are left out, and, with three members or more, those whose
+norm is over NORM_BOUND times the median norm. The rest are combined by CenteredClip
+(Karimireddy, He and Jaggi, ICML 2021; used by BTARD, Gorbunov et al. 2022): starting from the
+coordinate-wise median, each iteration moves by the mean of the members' differences from the
+current point, each clipped to a radius of CLIP_SCALE times their median distance. Members that
+agree are not clipped, and their average comes out; one far from the others moves it by at most
+the radius over the member count. Two members cannot outvote each other: their aggregate is
+their average.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NORM_BOUND = 10.0
+CLIP_SCALE = 2.0
+ITERATIONS = 3
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    value: torch.Tensor
+    left_out: tuple[int, ...]  # indices of the members whose vectors were not used at all
+
+
+def _median(stacked: torch.Tensor) -> torch.Tensor:
+    """Coordinate-wise median of [members, n], the mean of the middle two for an even count."""
+    ordered = stacked.sort(dim=0).values
+    count = ordered.shape[0]
+    if count % 2:
+        return ordered[count // 2].clone()
+    return (ordered[count // 2 - 1] + ordered[count // 2]) / 2
+
+
+def robust_mean(vectors: list[torch.Tensor]) -> Aggregate:
+    """The members' flat float32 vectors (equal lengths) combined; a RuntimeError-free answer for
+    any input: with no usable member, zeros (an outer step that changes nothing)."""
+    finite = [i for i, v in enumerate(vectors) if bool(torch.isfinite(v).all())]
+    if len(finite) >= 3:
+        norms = torch.stack([vectors[i].norm() for i in finite])
+        bound = NORM_BOUND * float(norms.median())
+        finite = [i for i, norm in zip(finite, norms.tolist()) if norm <= bound]
+    left_out = tuple(i for i in range(len(vectors)) if i not in finite)
+    if not finite:
+        return Aggregate(torch.zeros_like(vectors[0]), left_out)
+    stacked = torch.stack([vectors[i] for i in finite])
+    center = _median(stacked)
+    if len(finite) <= 2:
+        return Aggregate(stacked.mean(dim=0) if len(finite) == 2 else center, left_out)
+    radius = CLIP_SCALE * float((stacked - center).norm(dim=1).median())
+    for _ in range(ITERATIONS):
+        differences = stacked - center
+        distances = differences.norm(dim=1, keepdim=True)
+        scale = torch.where(distances > radius, radius / distances.clamp_min(1e-30), torch.ones_like(distances))
+        center = center + (differences * scale).mean(dim=0)
+    return Aggregate(center, left_out)
