@@ -50,9 +50,9 @@ def _chat_model(folder: Path, seed: int) -> ModelSource:
     return resolve_model(str(folder))
 
 
-async def _serve_in_process(lm: SwarmLM, api_key: str):
+async def _serve_in_process(lm: SwarmLM, api_key: str | None):
     sock = listen("127.0.0.1", 0)
-    http = server(create_app(lm, model_names(lm), APILimits((api_key,))))
+    http = server(create_app(lm, model_names(lm), APILimits(() if api_key is None else (api_key,))))
     return http, asyncio.create_task(http.serve(sockets=[sock])), base_url(sock) + "/v1"
 
 

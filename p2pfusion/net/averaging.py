@@ -106,7 +106,7 @@ class GroupAverager:
         self.transport = transport
         self.namespace = namespace  # the run's: two runs on one host never mix their rounds
         self._rounds: dict[bytes, _Round] = {}
-        self.wire_bytes = 0  # tensor bytes this peer sent and received in its rounds
+        self.wire_bytes = 0  # tensor bytes this peer sent in its rounds, as encoded: summed over members, each byte once
 
     async def start(self) -> None:
         await self.transport.add_handler(PROTOCOL, self._receive)
@@ -135,7 +135,7 @@ class GroupAverager:
             async with asyncio.timeout(timeout):
                 await asyncio.gather(*(self._send(p, group_id, local, compression) for p in round_.others))
                 await round_.complete.wait()
-        except (TimeoutError, OSError, EOFError, FrameError, PeerFailed) as exc:
+        except TimeoutError as exc:
             missing = [p for p in round_.others if p not in round_.received]
             raise AveragingFailed(f"averaging round failed: no tensors from {', '.join(missing) or '?'} ({exc!r})") from exc
         finally:
@@ -150,6 +150,14 @@ class GroupAverager:
         return [part.view_as(t).clone() for part, t in zip(aggregate.value.split([t.numel() for t in local]), local)]
 
     async def _send(self, peer: str, group_id: bytes, tensors: list[torch.Tensor], compression: str) -> None:
+        """This peer's tensors to `peer`. A failure here is not this round's: what this peer
+        averages depends only on what it receives (a member may refuse, and close, to break it)."""
+        try:
+            await self._send_all(peer, group_id, tensors, compression)
+        except (OSError, EOFError, FrameError, PeerFailed) as exc:
+            log.info("averaging: could not send this peer's tensors to %s: %r", peer, exc)
+
+    async def _send_all(self, peer: str, group_id: bytes, tensors: list[torch.Tensor], compression: str) -> None:
         reader, writer = await self.transport.open(peer, [], PROTOCOL)  # libp2p, by peer id
         try:
             for index, tensor in enumerate(tensors):
@@ -202,7 +210,6 @@ class GroupAverager:
                 raise RequestError("tensors out of order, or not as many as this round averages")
             if tensor.shape != round_.shapes[part.index]:
                 raise RequestError(f"tensor {part.index} has shape {list(tensor.shape)}, not {list(round_.shapes[part.index])}")
-            self.wire_bytes += tensor.numel() * tensor.element_size()
             tensors.append(tensor.float())
             if len(tensors) == part.count:
                 round_.deliver(sender, tensors)

@@ -120,7 +120,7 @@ class StateEnd:
     micro: Count
     adam_steps: Count
     names: Count  # parameters the replica holds (StatePart frames per kind)
-    averaged_bytes: Count = 0  # tensor bytes its averaging rounds received and sent, since it started
+    averaged_bytes: Count = 0  # tensor bytes it sent in its averaging rounds, since it started
     digest: Annotated[bytes, Length(32)] = b""  # sha256 of its outer weights: replicas in step hold the same
 
 

@@ -292,7 +292,10 @@ class TrainingRun:
         self.round += 1
 
     async def _average(self, members: list[PeerRecord]) -> None:
-        config, layers = self.config, f"{members[0].start}:{members[0].end}"
+        """The stage's outer step. Members that fail it are asked again among themselves; those
+        still failing after ROUND_ATTEMPTS are left out (they catch up by copying the state the
+        others agree on), unless no member of the stage took the step."""
+        config, layers, took = self.config, f"{members[0].start}:{members[0].end}", 0
         for attempt in range(ROUND_ATTEMPTS):
             group = [r.peer_id for r in members]
             request = t.OuterStep(
@@ -307,6 +310,7 @@ class TrainingRun:
             for record, answer in zip(members, answers):
                 if not isinstance(answer, BaseException):
                     self._ready[record.peer_id] = self.round + 1
+                    took += 1
             if not failed:
                 return
             for _, answer in failed:
@@ -320,7 +324,13 @@ class TrainingRun:
             )
             if not members:
                 return
-        raise RouteError(f"training run {config.run}: outer step {self.round} failed {ROUND_ATTEMPTS} times")
+        if not took:
+            raise RouteError(f"training run {config.run}: outer step {self.round} failed {ROUND_ATTEMPTS} times")
+        for record in members:
+            self._avoid[record.peer_id] = time.monotonic() + AVOID_SECONDS
+            self._ready.pop(record.peer_id, None)
+        log.warning("training run %s: %s failed outer step %d %d times; going on without them",
+                    config.run, ", ".join(r.peer_id for r in members), self.round, ROUND_ATTEMPTS)
 
     async def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> float:
         """The mean loss through one chain (after an outer step, every replica holds the same weights)."""

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""A training run with one poisoning replica, against the same run with none, in one run.
+
+A small Llama (4 layers, hidden 256, the default model's tokenizer and vocabulary, random weights)
+is trained from scratch on the docstrings of Python's standard library by a `SwarmTrainer` (the
+run's driver) through four replicas of its layers, real peers on 127.0.0.1 in this process (so
+that one of them can be made to lie), with DiLoCo outer steps every `--sync-every` inner steps.
+One replica poisons its pseudo-gradient at every outer step:
+- huge: 10,000 times its own;
+- flipped: its own, reversed;
+- shapes: tensors of other shapes;
+- undefended-huge: huge, with the replicas' robust mean replaced by a plain mean (what the outer
+  step was before), to show what the defence holds off.
+Printed per run: held-out perplexity at the end, and its ratio to the clean run's (target: 1.05x
+at most), and the replicas' weights' agreement (the honest replicas must hold the same weights).
+
+Usage: python scripts/bench_poisoned_run.py [--steps 60] [--sync-every 5] [--runs clean,huge,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+from p2pfusion.client.loop import BackgroundLoop
+from p2pfusion.client.run.trainer import SwarmTrainer
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.models.source import resolve_model
+from p2pfusion.net import averaging
+from p2pfusion.net.robust import Aggregate
+from p2pfusion.peer.runtime import Peer, PeerOptions
+from bench_machine import machine_header
+from bench_pretrain import HELD_OUT_MODULES, TRAIN_MODULES, batches, progress
+
+RUNS = ["clean", "huge", "flipped", "shapes", "undefended-huge"]
+REPLICAS = 4
+LR = 1e-3
+
+
+def small_model(folder: Path) -> Path:
+    default = resolve_model(None)
+    tokenizer = AutoTokenizer.from_pretrained(default.folder)
+    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def poison(replica, kind: str) -> None:
+    honest = replica.pseudo_gradient
+    if kind.endswith("huge"):
+        replica.pseudo_gradient = lambda: [d * 1e4 for d in honest()]
+    elif kind == "flipped":
+        replica.pseudo_gradient = lambda: [-d for d in honest()]
+    elif kind == "shapes":
+        replica.pseudo_gradient = lambda: [d.reshape(-1)[1:] for d in honest()]
+
+
+def plain_mean(vectors: list[torch.Tensor]) -> Aggregate:
+    return Aggregate(torch.stack(vectors).mean(dim=0), ())
+
+
+async def start_replicas(source, run: str) -> tuple[list[Peer], list[str]]:
+    peers, initial = [], []
+    for _ in range(REPLICAS):
+        swarm = await join_swarm(initial)
+        peer = Peer(PeerOptions(source=source, initial_peers=initial, layers=(0, 4), throughput="100", train=run), swarm)
+        await peer.start()
+        peers.append(peer)
+        initial = initial or await swarm.maddrs()
+    return peers, initial
+
+
+async def stop_replicas(peers: list[Peer]) -> None:
+    for peer in peers:
+        await peer.leave()
+        await peer.swarm.shutdown()
+
+
+def run_one(kind: str, source, data, held_out, sync_every: int) -> tuple[float, float]:
+    """Held-out loss at the end, and the largest relative difference between honest replicas' weights."""
+    loop = BackgroundLoop("replicas")
+    robust = averaging.robust_mean
+    if kind.startswith("undefended"):
+        averaging.robust_mean = plain_mean
+    try:
+        peers, maddrs = loop.run(start_replicas(source, f"poison-{kind}"))
+        try:
+            if kind != "clean":
+                poison(peers[-1].training.replica, kind)
+            with SwarmTrainer.connect(str(source.folder), maddrs, run=f"poison-{kind}", lr=LR, sync_every=sync_every) as trainer:
+                with progress(len(data), kind) as bar:
+                    for ids in data:
+                        loss = trainer.step(ids)
+                        bar.update(ids, loss)
+                held = trainer.evaluate(held_out)
+            honest = [p.training.replica.outer for p in peers[:-1]]
+            spread = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for other in honest[1:]
+                         for a, b in zip(other, honest[0]))
+        finally:
+            loop.run(stop_replicas(peers))
+    finally:
+        averaging.robust_mean = robust
+        loop.close()
+    return held, spread
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--sync-every", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--runs", default=",".join(RUNS))
+    args = parser.parse_args()
+    kinds = [k for k in args.runs.split(",") if k]
+    if set(kinds) - set(RUNS) or "clean" not in kinds:
+        parser.error(f"runs are among {RUNS}, clean included")
+    print(machine_header(), flush=True)
+    folder = small_model(Path(tempfile.mkdtemp(prefix="bench-poison-")) / "small-llama")
+    source = resolve_model(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    data = batches(tokenizer, TRAIN_MODULES, args.steps, args.batch, args.tokens, seed=0)
+    held_out = batches(tokenizer, HELD_OUT_MODULES, 1, 32, args.tokens, seed=1)[0]
+    results = {kind: run_one(kind, source, data, held_out, args.sync_every) for kind in kinds}
+    clean = math.exp(results["clean"][0])
+    print(f"{REPLICAS} replicas of layers 0:4, {args.steps} steps of {args.batch}x{args.tokens} tokens, "
+          f"outer step every {args.sync_every}; one replica poisons its pseudo-gradient")
+    print("| run | held-out perplexity | vs clean | honest replicas' weights differ by |")
+    print("|---|---|---|---|")
+    for kind, (held, spread) in results.items():
+        ppl = math.exp(held) if held < 700 else math.inf
+        print(f"| {kind} | {ppl:.1f} | {ppl / clean:.3f}x | {spread:.1e} |")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
