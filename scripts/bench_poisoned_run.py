@@ -20,7 +20,6 @@ Usage: python scripts/bench_poisoned_run.py [--steps 60] [--sync-every 5] [--run
 from __future__ import annotations
 
 import argparse
-import asyncio
 import math
 import sys
 import tempfile
