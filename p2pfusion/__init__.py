@@ -6,8 +6,17 @@ Names load on first use: torch and transformers are slow to import, and the CLI 
 """
 
 import importlib
+import logging
 
 __version__ = "0.1.0"
+
+# Importing torchao (transformers does whenever it is installed) logs that kernels for GPUs this
+# machine lacks failed to load, and torch logs deprecations of its compiler's internals: nothing a
+# user can act on, read as a broken install. Quiet unless the user set these loggers' levels.
+for _noisy in ("torchao", "torch.utils._pytree"):
+    if logging.getLogger(_noisy).level == logging.NOTSET:
+        logging.getLogger(_noisy).setLevel(logging.ERROR)
+del _noisy
 
 _EXPORTS = {
     # generating: many sessions from asyncio code or threads, or the engine itself

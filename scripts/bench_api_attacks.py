@@ -10,10 +10,13 @@ the no-attack run's. Attacks:
 - body-40mib: 4 connections sending 40 MiB chat bodies, over and over (413 before they are read);
 - body-4mib: 2 connections sending chats of a 4 MiB message, the most a body may hold;
 - stream-flood: 40 streamed chats at once from one address, opened again as each ends;
+- prefill-flood: 8 chats at once from one address, each a 1,900-token prompt for 1 new token;
 - stop-strings: 4 connections asking for 4 stop strings of 256 KiB each;
 - slowloris: 200 connections that send a request's headers, then its body a byte a second.
 Printed per attack: the user's seconds over the no-attack run's, whether its text is the same, the
-answers the attacker got, and the API's RSS before the attack and after it (10 s after it stops).
+API's RSS before the attack and after it (10 s after it stops), the API process's CPU time over
+the attack's wall time (1 core = 100%), and the answers the attacker got. The attacker's threads
+run in this process, on the same 2 cores as the swarm and the API.
 
 Usage: python scripts/bench_api_attacks.py [--attacks body-40mib,stream-flood,...] [--requests-per-user N]
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import re
 import socket
 import subprocess
@@ -35,11 +39,17 @@ import httpx2 as httpx
 from p2pfusion.cli.local_swarm import LocalSwarm
 from bench_machine import machine_header
 
-ATTACKS = ["body-40mib", "body-4mib", "stream-flood", "stop-strings", "slowloris"]
+ATTACKS = ["body-40mib", "body-4mib", "stream-flood", "prefill-flood", "stop-strings", "slowloris"]
 WARMUP = 5.0
 SETTLE = 10.0
 CHAT = {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "max_tokens": 24, "temperature": 0}
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def rss_mib(pid: int) -> float:
@@ -55,7 +65,8 @@ class Attacker:
         self.host, self.port = url.removeprefix("http://").rsplit(":", 1)
         self.stopped = threading.Event()
         self.answers: collections.Counter[str] = collections.Counter()
-        workers = {"body-40mib": 4, "body-4mib": 2, "stream-flood": 40, "stop-strings": 4, "slowloris": 1}[attack]
+        workers = {"body-40mib": 4, "body-4mib": 2, "stream-flood": 40, "prefill-flood": 8, "stop-strings": 4,
+                   "slowloris": 1}[attack]
         self.threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(workers)]
         for thread in self.threads:
             thread.start()
@@ -99,6 +110,10 @@ class Attacker:
             with client.stream("POST", self.url + "/v1/chat/completions", json=body) as response:
                 response.read()
                 return str(response.status_code)
+        if self.attack == "prefill-flood":
+            words = " ".join(f"w{i % 97}" for i in range(650))  # about 1,900 tokens: the peers take 2,048
+            body = {**CHAT, "max_tokens": 1, "messages": [{"role": "user", "content": words}]}
+            return str(client.post(self.url + "/v1/chat/completions", json=body).status_code)
         if self.attack == "stop-strings":
             body = {**CHAT, "stop": ["z" * (256 << 10)] * 4}
             return str(client.post(self.url + "/v1/chat/completions", json=body).status_code)
@@ -173,24 +188,27 @@ def main() -> None:
             base_seconds, base_text = min(user_chat(url) for _ in range(3))
             for attack in attacks:
                 before = rss_mib(api.pid)
+                cpu, started = cpu_seconds(api.pid), time.monotonic()
                 attacker = Attacker(url, attack)
                 time.sleep(WARMUP)
                 seconds, text = user_chat(url)
                 attacker.stop()
+                share = (cpu_seconds(api.pid) - cpu) / (time.monotonic() - started)
                 time.sleep(SETTLE)
                 after = rss_mib(api.pid)
-                rows.append((attack, seconds, text == base_text, dict(attacker.answers), before, after))
+                rows.append((attack, seconds, text == base_text, dict(attacker.answers), before, after, share))
                 print(f"  {attack}: {rows[-1]}", file=sys.stderr, flush=True)
         finally:
             api.terminate()
             api.wait(30)
     print(f"no attack: user {base_seconds:.2f} s")
-    print(f"{'attack':<13} {'user s':>7} {'vs none':>8} {'text':>6} {'RSS MiB before':>15} {'after':>6}  attacker got")
-    for attack, seconds, same, answers, before, after in rows:
+    print(f"{'attack':<13} {'user s':>7} {'vs none':>8} {'text':>6} {'RSS MiB before':>15} {'after':>6} "
+          f"{'API CPU':>8}  attacker got")
+    for attack, seconds, same, answers, before, after, share in rows:
         shown = "failed" if seconds is None else f"{seconds:.2f}"
         ratio = "-" if seconds is None else f"{seconds / base_seconds:.2f}x"
-        print(f"{attack:<13} {shown:>7} {ratio:>8} {'same' if same else 'DIFF':>6} {before:>15.0f} {after:>6.0f}  "
-              f"{json.dumps(answers)}")
+        print(f"{attack:<13} {shown:>7} {ratio:>8} {'same' if same else 'DIFF':>6} {before:>15.0f} {after:>6.0f} "
+              f"{share:>7.0%}  {json.dumps(answers)}")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ It shows the multi-host recipe of the README at work: a long-lived bootstrap pee
 published address; then the bootstrap host going down while the swarm keeps serving. It prints the
 answer, each host's traffic, and the time each step took. Needs root (ip netns); it removes its
 namespaces and bridge when it ends. Addresses are 10.78.0.0/24, inside those namespaces only.
-Usage: sudo python scripts/hosts_swarm.py [--prompt TEXT] [--max-new-tokens 32]
+Usage: sudo .venv/bin/python scripts/hosts_swarm.py [--prompt TEXT] [--max-new-tokens 32]
+(sudo starts a bare environment: name the virtualenv's interpreter, not `python`)
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import uvloop
+try:
+    import uvloop
 
-from p2pfusion.cli.hosts import HostNetwork, namespaces_unavailable
-from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.models.source import resolve_model
+    from p2pfusion.cli.hosts import HostNetwork, namespaces_unavailable
+    from p2pfusion.cli.local_swarm import LocalSwarm
+    from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+    from p2pfusion.dht.swarm import join_swarm
+    from p2pfusion.models.source import resolve_model
+except ImportError as exc:  # sudo's python is not the virtualenv's
+    sys.exit(f"hosts_swarm.py: {sys.executable} cannot import {exc.name}: run it with the virtualenv's "
+             "interpreter, e.g. sudo .venv/bin/python scripts/hosts_swarm.py")
 
 
 async def ask(source, maddrs: list[str], prompt: str, tokens: int) -> str:

@@ -226,3 +226,16 @@ def test_infer_says_it_is_connecting_before_importing_torch(tiny_models):
         capture_output=True, text=True, timeout=120,
     )
     assert proc.stderr.startswith(f"torch imported: False connecting to the swarm via {DEAD_PEER}"), proc.stderr
+
+
+def test_the_hosts_script_names_the_interpreter_to_use_when_sudo_drops_the_virtualenv():
+    """`sudo python scripts/hosts_swarm.py` runs a python without the virtualenv's packages: one line
+    naming the command that works (the README's), no traceback; with the virtualenv's it starts."""
+    script = Path(__file__).parents[1] / "scripts" / "hosts_swarm.py"
+    bare = subprocess.run([sys.executable, "-I", "-S", str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert bare.returncode != 0 and "Traceback" not in bare.stderr
+    assert "sudo .venv/bin/python scripts/hosts_swarm.py" in bare.stderr.strip().splitlines()[-1]
+    ours = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert ours.returncode == 0 and "--max-new-tokens" in ours.stdout
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    assert "sudo .venv/bin/python scripts/hosts_swarm.py" in readme and "sudo python scripts" not in readme

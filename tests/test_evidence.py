@@ -98,7 +98,7 @@ def test_a_liar_honest_on_replays_is_convicted_by_its_receipts(tiny_models, capl
     assert result.token_ids == expected and result.rewinds >= 1
     assert liar in suspects  # the replays found no one: today's checks could only avoid it
     assert liar in canary.route and set(canary.convicted) == {liar} and canary.reported == {liar}
-    assert canary.convicted[liar].output_error > 10 * canary.convicted[liar].bar
+    assert canary.convicted[liar].output_error > 5 * canary.convicted[liar].bar  # far over: noise of 1%, a bar of 0.06%
     assert [report.peer_id for _, report in reports] == [liar]
     assert reports[0][1].evidence.tokens[:len(canary.tokens) - 1] == canary.tokens[:len(reports[0][1].evidence.tokens)]
     # one report, judged by the fresh client itself; the forged ones convict no one and discredit their signer

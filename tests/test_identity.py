@@ -50,16 +50,20 @@ def test_a_killed_peer_restarts_with_its_identity_and_layers(tiny_models, tmp_pa
     with LocalSwarm(model=str(source.folder)) as swarm:
         swarm.start([(0, 2)])
         first = swarm.launch(None, args)
-        peer_id = _peer_id(swarm.wait_ready(first))
+        maddrs = swarm.wait_ready(first)
+        peer_id = _peer_id(maddrs)
         certificate = (tmp_path / "volunteer.key.tls").read_bytes()
         assert _mode(key) == 0o600 and _mode(tmp_path / "volunteer.key.tls") == 0o600
+        data_addrs = uvloop.run(_records(swarm.maddrs, source.key))[peer_id].data_addrs
         first.kill()  # no goodbye: its record still says online
         first.wait()
         again = swarm.launch(None, args)
-        assert _peer_id(swarm.wait_ready(again)) == peer_id
+        # the same id at the same address: the multiaddr others were given still reaches it
+        assert swarm.wait_ready(again) == maddrs and _peer_id(maddrs) == peer_id
         assert (tmp_path / "volunteer.key.tls").read_bytes() == certificate
         record = uvloop.run(_records(swarm.maddrs, source.key))[peer_id]
         assert (record.start, record.end, record.state) == (2, 4, PeerState.ONLINE)
+        assert record.data_addrs == data_addrs
         ids = [3, 17, 42, 99]
         assert uvloop.run(_generate(source, swarm.maddrs, ids)) == _reference(source, ids, 8)
 

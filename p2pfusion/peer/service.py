@@ -10,9 +10,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
+from p2pfusion.errors import ConfigError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config
 from p2pfusion.peer.balance import choose_model
+from p2pfusion.peer.ports import keep_ports, kept_ports, listening_ports
 from p2pfusion.peer.runtime import Peer, PeerOptions
 from p2pfusion.peer.upkeep import Upkeep
 
@@ -22,10 +24,7 @@ log = logging.getLogger(__name__)
 async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSource] = ()) -> None:
     """Run a peer until SIGINT or SIGTERM. `on_ready(maddrs)` is called once it serves. With
     `others`, the peer serves whichever of them and `options.source` the swarm needs most."""
-    swarm = await join_swarm(
-        options.initial_peers, options.host, options.port, options.identity,
-        data_port=options.data_port, announce_host=options.announce_host, secret=options.swarm_secret,
-    )
+    swarm = await _join(options)
     if others:
         options = replace(options, source=await _needed_most(swarm, [options.source, *others]))
     peer = Peer(options, swarm)
@@ -53,6 +52,30 @@ async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSourc
         await peer.leave()
     finally:
         await swarm.shutdown()
+
+
+async def _join(options: PeerOptions) -> SwarmNode:
+    """The peer's node, on the ports its identity kept from its last run unless told others."""
+    port, data_port = kept_ports(options.identity, options.port, options.data_port)
+
+    async def join(port: int, data_port: int) -> SwarmNode:
+        return await join_swarm(
+            options.initial_peers, options.host, port, options.identity, data_port=data_port,
+            announce_host=options.announce_host, secret=options.swarm_secret,
+        )
+
+    try:
+        swarm = await join(port, data_port)
+    except (ConfigError, RouteError) as exc:
+        if (port, data_port) == (options.port, options.data_port) or "in use" not in str(exc):
+            raise
+        log.warning("the ports this identity used last (%d, %d) are taken: listening on new ones, so its "
+                    "address changes", port, data_port)
+        swarm = await join(options.port, options.data_port)
+    listening = listening_ports(await swarm.maddrs(), swarm.transport.data_addrs)
+    if listening is not None:
+        keep_ports(options.identity, *listening)
+    return swarm
 
 
 async def _needed_most(swarm: SwarmNode, sources: list[ModelSource]) -> ModelSource:

@@ -68,7 +68,6 @@ class Verifier:
         self._shadow_reused: set[str] = set()
         self._shadow_length = 0
         self._quiet_until = 0.0
-        self._warned: set[tuple[int, int]] = set()
         self._rng = random.Random(seed)
         self._running: asyncio.Task | None = None  # the check under way, beside the generation
         if self.off:
@@ -304,11 +303,9 @@ class Verifier:
             avoid |= silent
 
     def _warn_unchecked(self, ranges: list[tuple[int, int]]) -> None:
-        new = [r for r in ranges if r not in self._warned]
-        if new:
-            self._warned.update(new)
-            named = ", ".join(f"{a}:{b}" for a, b in new)
-            log.warning("layers %s cannot be verified: no other peer serves them", named)
+        for start, end in ranges:  # once per process and range: every request would say it again
+            others = "no other peer you trust (--trusted-peers)" if self.access.trusted is not None else "no other peer"
+            self.access.once(f"unchecked {start}:{end}", f"layers {start}:{end} cannot be verified: {others} serves them")
 
     async def _drop_shadow(self) -> None:
         shadow, self._shadow, self._shadow_length = self._shadow, None, 0

@@ -75,6 +75,12 @@ class SwarmAccess:
             self._said[kind] = now
             log.warning("%s", text)
 
+    def once(self, kind: str, text: str) -> None:
+        """A warning for the user, the first time only."""
+        if kind not in self._said:
+            self._said[kind] = time.monotonic()
+            log.warning("%s", text)
+
     async def records(self, first: int = 0) -> list[PeerRecord]:
         """The model's records that routing may use: every place that routes reads them here. With
         a trusted set, only its peers' records, or a TrustedGap when they no longer serve a layer
