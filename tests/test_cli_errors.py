@@ -13,7 +13,7 @@ from p2pfusion import __version__
 from p2pfusion.cli.main import build_parser
 from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from tests.conftest import reference_model
-from tests.swarm import running_peers
+from tests.swarm import peers_in_background, running_peers
 
 CLI = [sys.executable, "-m", "p2pfusion.cli.main"]
 DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWJNSFBr4gPnCYC2XSNsR4vbs2ugsCsTHmE2CeghrcATvX"
@@ -41,11 +41,12 @@ def run(*args: str) -> tuple[int, str]:
     return uvloop.run(_run(*args))
 
 
-PEER_9 = "/ip4/127.0.0.1/tcp/9/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 
 
-def cases(tiny: dict, tmp: Path, taken_port: int) -> dict[str, tuple[list[str], tuple[str, ...]]]:
-    """Each bad command line the CLI must end with one error line: its arguments, and what the line says."""
+def cases(tiny: dict, tmp: Path, taken_port: int, live: str) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+    """Each bad command line the CLI must end with one error line: its arguments, and what the line
+    says. `live`: a peer that answers, for mistakes found once the swarm is joined (a client joins
+    while its model loads, so an unreachable swarm is said first)."""
     llama = str(tiny["llama"].folder)
     (tmp / "broken.gguf").write_bytes(b"not a gguf file at all")
     (tmp / "gpt2").mkdir()
@@ -72,14 +73,14 @@ def cases(tiny: dict, tmp: Path, taken_port: int) -> dict[str, tuple[list[str], 
         ),
         "unreachable initial peer": ([*infer, "hi"], ("no initial peer is reachable",)),
         "empty prompt": ([*infer, "   "], ("prompt is empty",)),
-        "prompt too long": ([*infer, "word " * 9000], ("prompt too long: ", "the model accepts 8192")),
+        "prompt too long": (["infer", "--initial-peers", live, "word " * 9000], ("prompt too long: ", "the model accepts 8192")),
         "unavailable gpu": (["run-peer", "--model", llama, "--new-swarm", "--gpu", "0"], ("not available",)),
         "missing adapter": (
-            ["infer", "--model", llama, "--initial-peers", PEER_9, "--adapter", str(tmp / "none"), "hi"],
+            ["infer", "--model", llama, "--initial-peers", live, "--adapter", str(tmp / "none"), "hi"],
             ("cannot read the adapter",),
         ),
         "adapter of another model": (
-            ["infer", "--model", llama, "--initial-peers", PEER_9, "--adapter", str(tmp / "deeper"), "hi"],
+            ["infer", "--model", llama, "--initial-peers", live, "--adapter", str(tmp / "deeper"), "hi"],
             ("does not fit this model",),
         ),
         "layers with two models": (
@@ -106,10 +107,10 @@ def outcomes(tiny_models, tmp_path_factory) -> dict[str, tuple[tuple[int, str], 
         results = await asyncio.gather(*(one(args) for args, _ in table.values()))
         return {name: (result, needles) for (name, (_, needles)), result in zip(table.items(), results)}
 
-    with socket.socket() as taken:
+    with socket.socket() as taken, peers_in_background(tiny_models["llama"], [(0, 4)]) as (_, maddrs, _):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        table = cases(tiny_models, tmp_path_factory.mktemp("cli-errors"), taken.getsockname()[1])
+        table = cases(tiny_models, tmp_path_factory.mktemp("cli-errors"), taken.getsockname()[1], maddrs[0])
         assert list(table) == CASE_NAMES  # every case is a test of its own
         return uvloop.run(all_of(table))
 
@@ -239,3 +240,11 @@ def test_the_hosts_script_names_the_interpreter_to_use_when_sudo_drops_the_virtu
     assert ours.returncode == 0 and "--max-new-tokens" in ours.stdout
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     assert "sudo .venv/bin/python scripts/hosts_swarm.py" in readme and "sudo python scripts" not in readme
+
+
+def test_an_unreachable_swarm_is_said_before_the_model_has_loaded():
+    """`infer` joins the swarm while its model loads: a dead peer is the error, and no line about the
+    loaded model comes first."""
+    code, stderr = run("infer", "--initial-peers", DEAD_PEER, "hi")
+    assert code != 0 and "no initial peer is reachable" in stderr.strip().splitlines()[-1]
+    assert "loaded SmolLM2" not in stderr, stderr

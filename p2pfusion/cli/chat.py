@@ -138,12 +138,15 @@ def _terminal_lines() -> Iterator[str]:
 
 def chat(args, started: float) -> None:
     """`started`: when the command started (perf_counter), for the progress lines."""
-    model = client_model(args)
-    model.require_chat_template()
-    log.info("loaded %s in %.1f s", model.source.name, time.perf_counter() - started)
     loop = BackgroundLoop("p2pfusion-chat")
     try:
-        loop.run(model.core.join(args.initial_peers))
+        model = loop.run(client_model(args))
+        try:
+            model.require_chat_template()
+        except BaseException:
+            loop.run(model.core.leave())
+            raise
+        log.info("loaded %s in %.1f s", model.source.name, time.perf_counter() - started)
         session = Chat(
             model, loop, args.max_new_tokens, args.temperature, args.seed, args.system, holds(args, sys.stdout)
         )

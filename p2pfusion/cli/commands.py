@@ -10,7 +10,7 @@ import sys
 import time
 from typing import TextIO
 
-from p2pfusion.client.core import ClientCore
+from p2pfusion.client.core import connect
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.swarm_lm import SwarmLM
 from p2pfusion.client.generate.text import TextPieces
@@ -101,12 +101,17 @@ def client_options(args) -> ClientOptions:
     )
 
 
-def client_model(args) -> RemoteCausalLM:
-    """The client (client/core.py) with its generation engine, and the user's adapter."""
+async def client_model(args) -> RemoteCausalLM:
+    """The client (client/core.py) with its generation engine, and the user's adapter: the swarm
+    joined while the model loads, so an unreachable swarm is said at once."""
     options = client_options(args)
-    model = RemoteCausalLM(ClientCore(resolve_model(args.model), options))
-    if args.adapter is not None:
-        model.adapter = Adapter.load(args.adapter, model.config, model.source)
+    model = RemoteCausalLM(await connect(args.initial_peers, args.model, options))
+    try:
+        if args.adapter is not None:
+            model.adapter = Adapter.load(args.adapter, model.config, model.source)
+    except BaseException:
+        await model.core.leave()
+        raise
     return model
 
 
@@ -114,11 +119,10 @@ async def infer(args, started: float) -> None:
     """`started`: when the command started (perf_counter), for the progress lines."""
     if not args.prompt.strip():
         raise RequestError("the prompt is empty")
-    model = client_model(args)
-    ids = model.encode(args.prompt, args.chat)
-    log.info("loaded %s in %.1f s; prompt: %d tokens", model.source.name, time.perf_counter() - started, len(ids))
-    await model.core.join(args.initial_peers)
+    model = await client_model(args)
     try:
+        ids = model.encode(args.prompt, args.chat)
+        log.info("loaded %s in %.1f s; prompt: %d tokens", model.source.name, time.perf_counter() - started, len(ids))
         decoder = StreamingDecoder(model.tokenizer)
         result = await model.generate(
             ids, args.max_new_tokens, args.temperature, args.seed, decoder.push, on_rewind=decoder.rewind,

@@ -344,17 +344,17 @@ def main(argv: list[str] | None = None) -> int:
 
             _run(run_peer(args, _device(args)))
         elif args.command == "infer":
-            log.info("connecting to the swarm via %s; loading the model first ...", args.initial_peers[0])
+            log.info("connecting to the swarm via %s while the model loads ...", args.initial_peers[0])
             from p2pfusion.cli.commands import infer
 
             _run(infer(args, started))
         elif args.command == "chat":
-            log.info("connecting to the swarm via %s; loading the model first ...", args.initial_peers[0])
+            log.info("connecting to the swarm via %s while the model loads ...", args.initial_peers[0])
             from p2pfusion.cli.chat import chat
 
             chat(args, started)
         elif args.command == "api":
-            log.info("connecting to the swarm via %s; loading the model first ...", args.initial_peers[0])
+            log.info("connecting to the swarm via %s while the model loads ...", args.initial_peers[0])
             from p2pfusion.cli.commands import api
 
             _run(api(args))

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -37,6 +39,7 @@ from p2pfusion.net.links import LinkBook
 log = logging.getLogger(__name__)
 
 BACKGROUND_GRACE = 30.0  # seconds a leaving client waits for a canary under way
+T = TypeVar("T")
 
 
 class ClientCore:
@@ -87,6 +90,10 @@ class ClientCore:
         )
         log.info("joined the swarm in %.1f s", time.perf_counter() - t0)
         return self.swarm
+
+    def attach(self, swarm: SwarmNode) -> None:
+        """Use `swarm`, a node joined already (`connect` joins while the model loads)."""
+        self.swarm = swarm
 
     def access(self) -> SwarmAccess:
         """What this client's sessions share, for the swarm node it is attached to now."""
@@ -198,7 +205,51 @@ async def connect(
     keeps serving meanwhile."""
     if not initial_peers:
         raise RequestError("initial_peers is empty: pass the multiaddr of at least one peer of the swarm")
-    source = model if isinstance(model, ModelSource) else await asyncio.to_thread(resolve_model, model)
-    core = await asyncio.to_thread(ClientCore, source, options)
-    await core.join(initial_peers)
+    options = options if options is not None else ClientOptions()
+
+    def load() -> ClientCore:
+        return ClientCore(model if isinstance(model, ModelSource) else resolve_model(model), options)
+
+    # the swarm is joined while the model loads: an unreachable peer or a wrong secret is said at
+    # once, not after seconds of loading
+    started = time.perf_counter()
+    joining = asyncio.ensure_future(join_swarm(list(initial_peers), client_mode=True, secret=options.swarm_secret))
+    loading = _in_daemon_thread(load)
+    try:
+        await asyncio.wait({joining, loading}, return_when=asyncio.FIRST_EXCEPTION)
+        swarm = await joining
+        log.info("joined the swarm in %.1f s", time.perf_counter() - started)
+        core = await loading
+    except BaseException:
+        loading.cancel()  # its thread finishes on its own, or ends with the process
+        if joining.done() and not joining.cancelled() and joining.exception() is None:
+            await joining.result().shutdown()
+        else:
+            joining.cancel()
+        raise
+    core.attach(swarm)
     return core
+
+
+def _in_daemon_thread(work: Callable[[], T]) -> asyncio.Future[T]:
+    """`work()` on a thread of its own, as a future of this loop. A daemon thread: a process that
+    gives up on it (the swarm was unreachable) exits without waiting for it."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = (work(), None)
+        except BaseException as exc:  # handed over whole to the awaiting coroutine, which raises it
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop closed meanwhile: nobody waits for the result
+            pass
+
+    threading.Thread(target=run, name="load-model", daemon=True).start()
+    return future
