@@ -39,8 +39,8 @@ KEYS = ("key-one", "key-two")
 
 
 class APIs:
-    def __init__(self, source, open_url: str, keyed_url: str):
-        self.source, self.open, self.keyed = source, open_url, keyed_url
+    def __init__(self, source, open_url: str, keyed_url: str, peer):
+        self.source, self.open, self.keyed, self.peer = source, open_url, keyed_url, peer
         self.tokenizer = char_tokenizer(256)
         self.reference = reference_model(source)
 
@@ -58,7 +58,7 @@ class APIs:
 def apis(tmp_path_factory):
     root = tmp_path_factory.mktemp("abuse")
     source = _chat_model(root / "tiny-chat", 0)
-    with peers_in_background(source, [(0, 4)], session_limit=POSITIONS) as (_, maddrs, _loop):
+    with peers_in_background(source, [(0, 4)], session_limit=POSITIONS) as ([peer], maddrs, _loop):
         common = ["--initial-peers", maddrs[0], "--model", str(source.folder), "--verify", "0"]
         logs = [root / "open.log", root / "keyed.log"]
         started = [
@@ -68,7 +68,7 @@ def apis(tmp_path_factory):
         ]
         try:
             urls = [api_url(proc, log) for proc, log in zip(started, logs)]
-            yield APIs(source, urls[0].replace("0.0.0.0", "127.0.0.1") + "/v1", urls[1] + "/v1")
+            yield APIs(source, urls[0].replace("0.0.0.0", "127.0.0.1") + "/v1", urls[1] + "/v1", peer)
         finally:
             for proc in started:
                 proc.terminate()
@@ -170,6 +170,9 @@ def test_one_address_runs_at_most_its_share_and_others_are_served(apis):
     long = apis.chat("go on", LONG, stream=True)
     with ExitStack() as stack:
         held = [_hold(stack, apis.open, long) for _ in range(2)]
+        # the peer shares the API's compute among its users: both streams are one user's
+        units = {s.client for s in list(apis.peer.server.sessions.values())}
+        assert len(units) == 1 and ">user-" in units.pop(), units
         third = httpx2.post(apis.open + "/chat/completions", json=apis.chat("one more"), timeout=60)
         assert third.status_code == 429 and int(third.headers["Retry-After"]) >= 1
         assert third.json()["error"]["code"] == "too_many_requests" and "2 requests running" in third.text

@@ -10,6 +10,7 @@ at once, and with it the session on every peer.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 import uuid
@@ -31,6 +32,7 @@ from p2pfusion.api.errors import APIError, from_core, unknown_model, unsupported
 from p2pfusion.api.guard import APILimits, Users, user_of
 from p2pfusion.client.generate.conversation import Generated
 from p2pfusion.client.generate.swarm_lm import Correction, GenerationRequest, Piece, SwarmLM, TokenStream
+from p2pfusion.client.route.session import serving
 from p2pfusion.errors import P2PFusionError
 
 log = logging.getLogger(__name__)
@@ -92,11 +94,14 @@ class Completions:
         answer is whole, or, streamed, until its stream ends."""
         user = user_of(request.scope, request.headers.get("authorization", ""), self.keys)
         await self.users.start(user)
+        # the peers share this API's compute fairly among its users, not among its requests
+        claim = serving.set("user-" + hashlib.sha256(user.encode()).hexdigest()[:16])
         response = None
         try:
             response = await self._answer(await job(), request)
             return response
         finally:
+            serving.reset(claim)
             if isinstance(response, EventStream):
                 response.on_close = partial(self.users.end, user)
             else:

@@ -104,7 +104,9 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="p2pfusion", description="Serve and use LLMs over a peer-to-peer swarm.", formatter_class=_HelpFormatter
+        prog="p2pfusion", description="Serve and use LLMs over a peer-to-peer swarm.", formatter_class=_HelpFormatter,
+        epilog="Files: P2PFUSION_CACHE (default ~/.cache/p2pfusion) holds converted models, each peer's benchmark, "
+        "the speeds clients observed and training drivers' keys; delete it to start afresh.",
     )
     parser.add_argument("--version", action="version", version=f"p2pfusion {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logs on stderr")

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 import uuid
+from contextvars import ContextVar
 
 import torch
 
@@ -36,6 +37,11 @@ from p2pfusion.net.transport import Transport
 log = logging.getLogger(__name__)
 
 # a dial, direct or through libp2p: a peer that takes longer costs its session, not a minute
+# Whom the sessions opened in this context serve, when one client process serves several people
+# (the HTTP API sets it per request): peers share this client's compute fairly among them (the
+# Open's `client` claim divides only this client's own share). A context variable, so that the
+# sessions a generation opens, fails over to or checks with all carry it.
+serving: ContextVar[str | None] = ContextVar("serving", default=None)
 OPEN_TIMEOUT = 5.0
 ACK_TIMEOUT = 15.0  # the first hop acknowledges once every hop of the chain has opened the next
 STEP_TIMEOUT = 60.0
@@ -122,7 +128,7 @@ class RouteSession:
             hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
             opening = m.Open(
                 self.session_id, self.length, hops, self.compression, self.purpose, self.first_link, self.last_link,
-                self.batch,
+                self.batch, client=serving.get(),
             )
             await self._write(self._head, self.route[0], m.to_header(opening))
             await self._expect_ack(head_reader, Stream.HEAD)
