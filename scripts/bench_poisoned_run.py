@@ -20,6 +20,7 @@ Usage: python scripts/bench_poisoned_run.py [--steps 60] [--sync-every 5] [--run
 from __future__ import annotations
 
 import argparse
+import asyncio
 import math
 import sys
 import tempfile
@@ -40,7 +41,7 @@ from bench_pretrain import HELD_OUT_MODULES, TRAIN_MODULES, batches, progress
 
 RUNS = ["clean", "huge", "flipped", "shapes", "undefended-huge"]
 REPLICAS = 4
-LR = 1e-3
+LR = 3e-3
 
 
 def small_model(folder: Path) -> Path:
@@ -69,7 +70,8 @@ def plain_mean(vectors: list[torch.Tensor]) -> Aggregate:
     return Aggregate(torch.stack(vectors).mean(dim=0), ())
 
 
-async def start_replicas(source, run: str) -> tuple[list[Peer], list[str]]:
+async def start_replicas(source, run: str) -> tuple[list[Peer], list[str], asyncio.Task]:
+    """The replicas, and the task that refreshes their records as `run-peer` does."""
     peers, initial = [], []
     for _ in range(REPLICAS):
         swarm = await join_swarm(initial)
@@ -77,10 +79,18 @@ async def start_replicas(source, run: str) -> tuple[list[Peer], list[str]]:
         await peer.start()
         peers.append(peer)
         initial = initial or await swarm.maddrs()
-    return peers, initial
+    return peers, initial, asyncio.create_task(keep_announcing(peers))
 
 
-async def stop_replicas(peers: list[Peer]) -> None:
+async def keep_announcing(peers: list[Peer]) -> None:
+    while True:
+        await asyncio.sleep(peers[0].options.refresh_period)
+        for peer in peers:
+            await peer.announce()
+
+
+async def stop_replicas(peers: list[Peer], refresher: asyncio.Task) -> None:
+    refresher.cancel()
     for peer in peers:
         await peer.leave()
         await peer.swarm.shutdown()
@@ -93,7 +103,7 @@ def run_one(kind: str, source, data, held_out, sync_every: int) -> tuple[float, 
     if kind.startswith("undefended"):
         averaging.robust_mean = plain_mean
     try:
-        peers, maddrs = loop.run(start_replicas(source, f"poison-{kind}"))
+        peers, maddrs, refresher = loop.run(start_replicas(source, f"poison-{kind}"))
         try:
             if kind != "clean":
                 poison(peers[-1].training.replica, kind)
@@ -107,7 +117,7 @@ def run_one(kind: str, source, data, held_out, sync_every: int) -> tuple[float, 
             spread = max(float((a - b).norm() / b.norm().clamp_min(1e-12)) for other in honest[1:]
                          for a, b in zip(other, honest[0]))
         finally:
-            loop.run(stop_replicas(peers))
+            loop.run(stop_replicas(peers, refresher))
     finally:
         averaging.robust_mean = robust
         loop.close()
