@@ -1,10 +1,11 @@
 #!/usr/bin/env python
 """A training run with one poisoning replica, against the same run with none, in one run.
 
-A small Llama (4 layers, hidden 256, the default model's tokenizer and vocabulary, random weights)
-is trained from scratch on the docstrings of Python's standard library by a `SwarmTrainer` (the
-run's driver) through four replicas of its layers, real peers on 127.0.0.1 in this process (so
-that one of them can be made to lie), with DiLoCo outer steps every `--sync-every` inner steps.
+The default model cut to its first 6 layers (its embeddings, final norm and head kept, frozen as
+a driver holds them) is trained on the docstrings of Python's standard library by a
+`SwarmTrainer` (the run's driver) through four replicas of its layers, real peers on 127.0.0.1 in
+this process (so that one of them can be made to lie), with DiLoCo outer steps every
+`--sync-every` inner steps.
 One replica poisons its pseudo-gradient at every outer step:
 - huge: 10,000 times its own;
 - flipped: its own, reversed;
@@ -27,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.run.trainer import SwarmTrainer
@@ -41,18 +42,19 @@ from bench_pretrain import HELD_OUT_MODULES, TRAIN_MODULES, batches, progress
 
 RUNS = ["clean", "huge", "flipped", "shapes", "undefended-huge"]
 REPLICAS = 4
-LR = 3e-3
+LAYERS = 6
+LR = 1e-3
 
 
 def small_model(folder: Path) -> Path:
+    """The default model cut to its first LAYERS layers (its embeddings, final norm and head kept):
+    a language model that training those layers improves quickly."""
     default = resolve_model(None)
-    tokenizer = AutoTokenizer.from_pretrained(default.folder)
-    config = LlamaConfig(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=256,
-                         tie_word_embeddings=True)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(default.folder, dtype=torch.float32)
+    model.model.layers = model.model.layers[:LAYERS]
+    model.config.num_hidden_layers = LAYERS
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(default.folder).save_pretrained(folder)
     return folder
 
 
@@ -75,7 +77,7 @@ async def start_replicas(source, run: str) -> tuple[list[Peer], list[str], async
     peers, initial = [], []
     for _ in range(REPLICAS):
         swarm = await join_swarm(initial)
-        peer = Peer(PeerOptions(source=source, initial_peers=initial, layers=(0, 4), throughput="100", train=run), swarm)
+        peer = Peer(PeerOptions(source=source, initial_peers=initial, layers=(0, LAYERS), throughput="100", train=run), swarm)
         await peer.start()
         peers.append(peer)
         initial = initial or await swarm.maddrs()
@@ -141,12 +143,15 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     data = batches(tokenizer, TRAIN_MODULES, args.steps, args.batch, args.tokens, seed=0)
     held_out = batches(tokenizer, HELD_OUT_MODULES, 1, 32, args.tokens, seed=1)[0]
+    with torch.no_grad():
+        before = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=held_out, labels=held_out).loss
     results = {kind: run_one(kind, source, data, held_out, args.sync_every) for kind in kinds}
     clean = math.exp(results["clean"][0])
-    print(f"{REPLICAS} replicas of layers 0:4, {args.steps} steps of {args.batch}x{args.tokens} tokens, "
+    print(f"{REPLICAS} replicas of layers 0:{LAYERS}, {args.steps} steps of {args.batch}x{args.tokens} tokens, "
           f"outer step every {args.sync_every}; one replica poisons its pseudo-gradient")
     print("| run | held-out perplexity | vs clean | honest replicas' weights differ by |")
     print("|---|---|---|---|")
+    print(f"| before training | {math.exp(float(before)):.1f} | | |")
     for kind, (held, spread) in results.items():
         ppl = math.exp(held) if held < 700 else math.inf
         print(f"| {kind} | {ppl:.1f} | {ppl / clean:.3f}x | {spread:.1e} |")

@@ -21,6 +21,7 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.net.secret import load_secret
 
 MIB = 1 << 20
+MAX_DEVICE = 48  # characters of a device's name in the table (the JSON has it whole)
 
 
 def _spans(runs: list[list[int]]) -> str:
@@ -29,17 +30,28 @@ def _spans(runs: list[list[int]]) -> str:
 
 def _role(peer: dict) -> str:
     if peer["backup_for"] is not None:
-        return f"backup of {len(peer['backup_for'])}"
+        backed = len(peer["backup_for"])
+        return f"backup of {backed} peer{'s' * (backed != 1)}" if backed else "backup, stage lost"
     backups = peer["backed_up_by"] or []
     return f"{len(backups)} backup{'s' * (len(backups) != 1)}" if backups else "-"
+
+
+def _cut(text: str, width: int) -> str:
+    """`text` in at most `width` characters, cut at a word's end, with an ellipsis when cut."""
+    if len(text) <= width:
+        return text
+    head = text[:width - 1]
+    return (head.rsplit(" ", 1)[0] if " " in head else head) + "…"
 
 
 def format_table(view: dict) -> str:
     count = len(view["peers"])
     lines = [f"model {view['model']} (key {view['key']}, {view['num_layers']} layers, {count} peer{'s' * (count != 1)})"]
+    role_width = max([len("role"), *(len(_role(p)) for p in view["peers"])])
+    device_width = min(max([len("device"), *(len(p["device"]) for p in view["peers"])]), MAX_DEVICE)
     header = (
         f"  {'layers':>8}  {'state':<8} {'advertised':>10} {'observed':>9} {'load':>6} {'sessions':>8} "
-        f"{'cache MiB':>11}  {'role':<10} {'format':<8} {'device':<28} peer"
+        f"{'cache MiB':>11}  {'role':<{role_width}} {'format':<8} {'device':<{device_width}} peer"
     )
     lines.append(header)
     for p in view["peers"]:
@@ -48,8 +60,8 @@ def format_table(view: dict) -> str:
         cache = f"{p['cache_used'] / MIB:.0f}/{p['cache_total'] / MIB:.0f}" if p["cache_total"] else "-"
         lines.append(
             f"  {p['layers'][0]:>3}:{p['layers'][1]:<4}  {p['state']:<8} {p['advertised_tokens_per_s']:>10.1f} "
-            f"{observed:>9} {p['load_tokens_per_s']:>6.1f} {p['sessions']:>8} {cache:>11}  {_role(p):<10} {p['weights']:<8} "
-            f"{p['device'][:28]:<28} {p['peer_id']}{moving}"
+            f"{observed:>9} {p['load_tokens_per_s']:>6.1f} {p['sessions']:>8} {cache:>11}  {_role(p):<{role_width}} {p['weights']:<8} "
+            f"{_cut(p['device'], device_width):<{device_width}} {p['peer_id']}{moving}"
         )
     if view["gaps"]:
         lines.append(f"  not served: layers {_spans(view['gaps'])}")

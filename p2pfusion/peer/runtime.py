@@ -284,7 +284,7 @@ class Peer:
             if again == placement:
                 break
             log.info(
-                "another peer claimed layers %d:%d at the same time; taking %d:%d%s instead",
+                "a peer that joined at the same moment claimed layers overlapping %d:%d; taking %d:%d%s instead",
                 placement.start, placement.end, again.start, again.end, " as a backup" if again.backup else "",
             )
             placement = again
