@@ -190,3 +190,41 @@ def test_dashboard_lists_the_live_peers_and_drops_a_killed_one_within_a_refresh(
         assert (site.shots / "swarm.png").stat().st_size > 0
     finally:
         context.close()
+
+
+NO_SIDEWAYS = "() => document.documentElement.scrollWidth <= window.innerWidth"
+TABLE_FITS = "() => [...document.querySelectorAll('.table')].every(t => t.scrollWidth <= t.clientWidth + 1)"
+
+
+def test_the_page_fits_a_phone_and_wide_screens_and_a_gap_says_what_to_do(site):
+    """After the dashboard test, layers 2:4 have no peer. At 360 px nothing scrolls sideways (the
+    peers' rows stack, each value named) and a chat's error says what is missing and to send again;
+    at 1280 and 1920 px the peers' table fits without scrolling."""
+    for width in (360, 1280, 1920):
+        context = site.browser.new_context(viewport={"width": width, "height": 780})
+        context.add_init_script(f"localStorage.setItem('p2pfusion.apiKey', {json.dumps(KEY)})")
+        page = context.new_page()
+        try:
+            page.goto(site.url + "/swarm")
+            page.wait_for_function("document.querySelectorAll('tr[data-peer-id]').length === 1")
+            assert page.evaluate(NO_SIDEWAYS), width
+            if width == 360:
+                labels = page.eval_on_selector_all("tr[data-peer-id] td", "cells => cells.map(c => c.dataset.label)")
+                assert labels[:2] == ["state", "layers"] and labels[-1] == "peer"
+                peer = page.locator("tr[data-peer-id] td.peer").bounding_box()
+                assert peer["x"] + peer["width"] <= width  # the peer's column is on screen, not cut off
+                page.screenshot(path=site.shots / "swarm-phone.png", full_page=True)
+                page.click("#tab-chat")
+                page.wait_for_selector("#model option", state="attached")
+                page.fill("#prompt", "hello")
+                page.press("#prompt", "Enter")
+                page.wait_for_selector(".msg.assistant[data-done]", timeout=60_000)
+                error = page.locator(".msg.assistant .error").text_content()
+                assert "2:4" in error and "send the message again" in error and "Swarm tab" in error, error
+                assert page.locator(".msg.assistant .text").count() == 0  # no empty bubble above it
+                assert page.evaluate(NO_SIDEWAYS)
+                page.screenshot(path=site.shots / "chat-phone.png", full_page=True)
+            else:
+                assert page.evaluate(TABLE_FITS), width
+        finally:
+            context.close()

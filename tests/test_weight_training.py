@@ -281,7 +281,8 @@ def test_an_averaging_round_with_a_dead_member_fails_cleanly_and_the_survivors_a
             assert all(torch.equal(a, b) for ts, ks in zip(tensors, kept) for a, b in zip(ts, ks))
             rounds = [a.average(b"survivors", ts, ids[:2], 5.0) for a, ts in zip(averagers, tensors)]
             for averaged in await asyncio.gather(*rounds):
-                assert torch.allclose(averaged[0], torch.full((300_000,), 0.5)) and torch.allclose(averaged[1], torch.full((7,), 5.0))
+                assert torch.allclose(averaged.tensors[0], torch.full((300_000,), 0.5))
+                assert torch.allclose(averaged.tensors[1], torch.full((7,), 5.0)) and averaged.left_out == []
             assert sum(a.wire_bytes for a in averagers) > 300_000 * 4
         finally:
             for averager in averagers:
@@ -312,14 +313,16 @@ def test_one_bad_member_of_four_barely_moves_the_average(poison):
             ids = [n.peer_id for n in nodes]
             rounds = [a.average(b"poisoned", ts, ids, 5.0) for a, ts in zip(averagers, [*honest, bad])]
             outcomes = await asyncio.gather(*rounds, return_exceptions=True)
-            return outcomes[:3]
+            return outcomes[:3], ids[3]
         finally:
             for averager in averagers:
                 await averager.stop()
             for node in nodes:
                 await node.shutdown()
 
-    results = asyncio.run(go())
+    results, liar = asyncio.run(go())
+    assert all(result.left_out == [liar] for result in results)  # every honest member names it
+    results = [result.tensors for result in results]
     generator = torch.Generator().manual_seed(0)
     honest = [[torch.randn(50_000, generator=generator) * 0.1 + 1.0, torch.randn(3, 5, generator=generator) * 0.1 + 1.0]
               for _ in range(3)]

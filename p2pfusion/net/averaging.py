@@ -64,6 +64,12 @@ class AveragePart:
 PARTS = {AveragePart.kind: AveragePart}
 
 
+@dataclass(frozen=True)
+class Averaged:
+    tensors: list[torch.Tensor]
+    left_out: list[str]  # members whose tensors the mean did not use
+
+
 class _Round:
     def __init__(self, members: list[str] | None = None, shapes: list[torch.Size] | None = None):
         self.members, self.shapes = members, shapes
@@ -117,9 +123,10 @@ class GroupAverager:
     async def average(
         self, group_id: bytes, tensors: Sequence[torch.Tensor], peers: Sequence[str], timeout: float,
         compression: str = "none",
-    ) -> list[torch.Tensor]:
+    ) -> Averaged:
         """The group's robust mean of `tensors` (every member passes the same shapes), from the
-        members named, this one included; AveragingFailed when some member's tensors did not come."""
+        members named, this one included, and the members left out of it; AveragingFailed when
+        some member's tensors did not come."""
         me = self.transport.peer_id
         if me not in peers:
             raise RequestError("averaging: this peer is not in the group it was asked to join")
@@ -128,7 +135,7 @@ class GroupAverager:
         # every member then combines the very same values
         local = [_as_sent(t.detach().float().cpu(), CODECS[compression]) for t in tensors]
         if len(members) == 1:
-            return [t.clone() for t in local]
+            return Averaged([t.clone() for t in local], [])
         round_ = self._rounds.setdefault(group_id, _Round())
         round_.start(members, [t.shape for t in local], me)
         try:
@@ -147,7 +154,8 @@ class GroupAverager:
         if left_out:
             log.warning("averaging: left out %s (tensors malformed, not finite, or far larger than the others')",
                         ", ".join(left_out))
-        return [part.view_as(t).clone() for part, t in zip(aggregate.value.split([t.numel() for t in local]), local)]
+        parts = aggregate.value.split([t.numel() for t in local])
+        return Averaged([part.view_as(t).clone() for part, t in zip(parts, local)], left_out)
 
     async def _send(self, peer: str, group_id: bytes, tensors: list[torch.Tensor], compression: str) -> None:
         """This peer's tensors to `peer`. A failure here is not this round's: what this peer

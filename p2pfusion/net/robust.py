@@ -2,7 +2,9 @@
 the replicas' pseudo-gradients (net/averaging.py).
 
 Members whose vector is not finite are left out, and, with three members or more, those whose
-norm is over NORM_BOUND times the median norm. The rest are combined by CenteredClip
+norm is over NORM_BOUND times the median norm, and those further than DISTANCE_BOUND times the
+median distance from the coordinate-wise median (a vector reversed is as long as an honest one,
+but far from the others). The rest are combined by CenteredClip
 (Karimireddy, He and Jaggi, ICML 2021; used by BTARD, Gorbunov et al. 2022): starting from the
 coordinate-wise median, each iteration moves by the mean of the members' differences from the
 current point, each clipped to a radius of CLIP_SCALE times their median distance. Members that
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 NORM_BOUND = 10.0
+DISTANCE_BOUND = 4.0  # times the median distance from the coordinate-wise median
 CLIP_SCALE = 2.0
 ITERATIONS = 3
 
@@ -45,6 +48,12 @@ def robust_mean(vectors: list[torch.Tensor]) -> Aggregate:
         norms = torch.stack([vectors[i].norm() for i in finite])
         bound = NORM_BOUND * float(norms.median())
         finite = [i for i, norm in zip(finite, norms.tolist()) if norm <= bound]
+    if len(finite) >= 3:
+        candidates = torch.stack([vectors[i] for i in finite])
+        distances = (candidates - _median(candidates)).norm(dim=1)
+        del candidates
+        bound = DISTANCE_BOUND * float(distances.median())
+        finite = [i for i, distance in zip(finite, distances.tolist()) if distance <= bound]
     left_out = tuple(i for i in range(len(vectors)) if i not in finite)
     if not finite:
         return Aggregate(torch.zeros_like(vectors[0]), left_out)

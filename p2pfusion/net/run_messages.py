@@ -6,8 +6,8 @@ Each request goes on a fresh stream and gets its answers there:
   ran its backward pass): take the optimizer step. `Ack`, or an `Error` saying why not (the weights
   are then untouched).
 - `DiscardStep`: drop the gradients gathered for the step (the driver redoes it elsewhere).
-- `OuterStep`: average the pseudo-gradient with the group named and take the outer step. `Ack`
-  once done, or an `Error` (the weights are then untouched, and the driver may retry the round
+- `OuterStep`: average the pseudo-gradient with the group named and take the outer step. `OuterDone`
+  (naming the members the robust mean left out) once done, or an `Error` (the weights are then untouched, and the driver may retry the round
   with the members that answer).
 - `FetchState`: the replica's state, as `StatePart` frames (one tensor each) and a `StateEnd`.
 - `Status`: a `StateEnd` alone: where the replica is. One behind the driver's round catches up
@@ -84,6 +84,15 @@ class OuterStep:
 
 
 @dataclass(frozen=True)
+class OuterDone:
+    """A replica took the outer step; `left_out`: the members whose pseudo-gradients its robust
+    mean left out (every honest member leaves out the same)."""
+
+    kind: ClassVar[str] = "outer_done"
+    left_out: Annotated[list[m.Id], Length(MAX_GROUP)]
+
+
+@dataclass(frozen=True)
 class FetchState:
     kind: ClassVar[str] = "fetch_state"
     run: RunName
@@ -125,7 +134,9 @@ class StateEnd:
 
 
 MESSAGES = {
-    cls.kind: cls for cls in (ApplyStep, DiscardStep, OuterStep, FetchState, Status, StatePart, StateEnd, m.Ack, m.Error)
+    cls.kind: cls for cls in (
+        ApplyStep, DiscardStep, OuterStep, OuterDone, FetchState, Status, StatePart, StateEnd, m.Ack, m.Error,
+    )
 }
 
 

@@ -138,8 +138,8 @@ class ReplicaService:
         await write(writer, t.to_header(m.Ack()))
 
     async def _outer(self, request: t.OuterStep, writer) -> None:
-        await self._outer_step(request)
-        await write(writer, t.to_header(m.Ack()))
+        left_out = await self._outer_step(request)
+        await write(writer, t.to_header(t.OuterDone(left_out)))
 
     async def _status(self, request: t.Status, writer) -> None:
         """Where this replica is; one behind the driver's round starts catching up."""
@@ -160,7 +160,7 @@ class ReplicaService:
             self.averager.wire_bytes, r.digest,
         )
 
-    async def _outer_step(self, request: t.OuterStep) -> None:
+    async def _outer_step(self, request: t.OuterStep) -> list[str]:
         replica = self.replica
         if request.round != replica.round:
             raise RequestError(f"outer step {request.round} asked, but this replica has taken {replica.round}")
@@ -176,11 +176,12 @@ class ReplicaService:
         gid = group_id(self.model, replica.run, stage.start, stage.end, request.round, request.attempt, request.group)
         averaged = await self.averager.average(gid, delta, request.group, request.timeout, request.compression)
         del delta
-        await self._compute(replica.outer_step, averaged, hyper)
+        await self._compute(replica.outer_step, averaged.tensors, hyper)
         log.info(
             "outer step %d of run %s with %d replicas of layers %d:%d (%.1f s)",
             request.round, replica.run, len(set(request.group)), stage.start, stage.end, time.perf_counter() - started,
         )
+        return averaged.left_out
 
     async def _send_state(self, request: t.FetchState, writer) -> None:
         replica, stage = self.replica, self.replica.stage

@@ -45,6 +45,18 @@ async function errorText(response) {
   }
 }
 
+// What went wrong with a request, and what the user can do about it.
+async function failure(response) {
+  const message = await errorText(response);
+  if (response.status === 503) {
+    const wait = response.headers.get("Retry-After");
+    return `${message}. The swarm cannot answer now: send the message again${wait ? ` in ${wait} s` : " in a moment"}, ` +
+      "or see the Swarm tab for the layers no peer serves.";
+  }
+  if (response.status === 429) return `${message}.`;
+  return message;
+}
+
 // --- views -----------------------------------------------------------------------------------------
 
 function show(view, push) {
@@ -143,7 +155,7 @@ async function send(event) {
       signal: chat.controller.signal,
     });
     if (response.status === 401) needKey(await errorText(response));
-    if (!response.ok) throw new Error(await errorText(response));
+    if (!response.ok) throw new Error(await failure(response));
     for await (const data of sseEvents(response.body)) {
       if (data === "[DONE]") break;
       const chunk = JSON.parse(data);
@@ -169,7 +181,10 @@ async function send(event) {
     }
   } catch (error) {
     if (error.name === "AbortError") note = "stopped";
-    else box.append(el("div", { class: "meta error", text: String(error.message || error) }));
+    else {
+      if (!text.textContent) text.remove(); // no empty bubble above the error
+      box.append(el("div", { class: "meta error", text: String(error.message || error) }));
+    }
   } finally {
     chat.controller = null;
     delete box.dataset.streaming;
@@ -269,7 +284,7 @@ function peerRow(peer, neck) {
   return el("tr", { class: inNeck ? "neck" : "", "data-peer-id": peer.peer_id },
     el("td", {}, el("span", { class: `state ${peer.state}`, text: peer.state })),
     el("td", { class: "num", text: span(peer.layers) + moving }),
-    el("td", { text: `${peer.device}, ${peer.weights}` }),
+    el("td", { class: "device", text: `${peer.device}, ${peer.weights}` }),
     el("td", { class: "num", text: rate(peer.advertised_tokens_per_s) }),
     el("td", { class: "num", text: rate(peer.observed_tokens_per_s) }),
     el("td", { class: "num", text: rate(peer.load_tokens_per_s) }),
@@ -289,6 +304,8 @@ function modelCard(model) {
   const table = el("table", {},
     el("thead", {}, el("tr", {}, ...head.map((h) => el("th", { class: numeric.has(h) ? "num" : "", text: h })))),
     el("tbody", {}, ...model.peers.map((p) => peerRow(p, neckOf(model)))));
+  // each cell names its column, for narrow screens where rows stack (style.css)
+  for (const row of table.tBodies[0].rows) [...row.cells].forEach((cell, i) => { cell.dataset.label = head[i]; });
   return el("section", { class: "card", "data-model-key": model.key },
     el("h2", { text: model.model }),
     el("div", { class: "key-line", text: `${model.key} · ${model.num_layers} layers` }),

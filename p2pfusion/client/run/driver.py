@@ -19,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 
 import torch
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 PASS_TIMEOUT = 600.0  # one micro-batch's forward or backward through its chain
 OUTER_TIMEOUT = 900.0  # an outer step: pseudo-gradients, the all-reduce, the Nesterov step
 AVOID_SECONDS = 60.0  # a replica that failed is left out this long (or until it answers a status)
+EVICT_SECONDS = 600.0  # a replica whose pseudo-gradient the others' robust means left out
 ROUND_ATTEMPTS = 3
 
 
@@ -311,6 +313,7 @@ class TrainingRun:
                 if not isinstance(answer, BaseException):
                     self._ready[record.peer_id] = self.round + 1
                     took += 1
+            self._evict([a for a in answers if isinstance(a, t.OuterDone)], layers)
             if not failed:
                 return
             for _, answer in failed:
@@ -331,6 +334,20 @@ class TrainingRun:
             self._ready.pop(record.peer_id, None)
         log.warning("training run %s: %s failed outer step %d %d times; going on without them",
                     config.run, ", ".join(r.peer_id for r in members), self.round, ROUND_ATTEMPTS)
+
+    def _evict(self, done: list[t.OuterDone], layers: str) -> None:
+        """Leave out of the run, for EVICT_SECONDS, the replicas that most members' robust means
+        left out: their micro-batches go to the others rather than to updates nobody uses."""
+        votes = Counter(peer for answer in done for peer in set(answer.left_out))
+        for peer, count in votes.items():
+            if 2 * count > len(done):
+                self._avoid[peer] = time.monotonic() + EVICT_SECONDS
+                self._ready.pop(peer, None)
+                log.warning(
+                    "training run %s: replica %s of layers %s sent a pseudo-gradient the others left out (not finite, "
+                    "misshapen, or far from theirs); leaving it out of the run for %.0f s",
+                    self.config.run, peer, layers, EVICT_SECONDS,
+                )
 
     async def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor | None) -> float:
         """The mean loss through one chain (after an outer step, every replica holds the same weights)."""
