@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from p2pfusion.cli.main import build_parser
 from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from tests.conftest import reference_model
 from tests.swarm import peers_in_background, running_peers
+from tests.tiny_chat import with_chat_tokenizer
 
 CLI = [sys.executable, "-m", "p2pfusion.cli.main"]
 DEAD_PEER = "/ip4/127.0.0.1/tcp/1/p2p/12D3KooWJNSFBr4gPnCYC2XSNsR4vbs2ugsCsTHmE2CeghrcATvX"
@@ -248,3 +250,28 @@ def test_an_unreachable_swarm_is_said_before_the_model_has_loaded():
     code, stderr = run("infer", "--initial-peers", DEAD_PEER, "hi")
     assert code != 0 and "no initial peer is reachable" in stderr.strip().splitlines()[-1]
     assert "loaded SmolLM2" not in stderr, stderr
+
+
+OUR_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARN|WARNING|ERROR) [\w.]+: ")
+PYTHON_API = """
+import sys
+from p2pfusion import SwarmLMSync
+lm = SwarmLMSync([sys.argv[1]], sys.argv[2], verify=0.0)
+print(lm.generate([3, 17, 42], 3, stop_at_eos=False).token_ids)
+lm.close()
+"""
+
+
+def test_one_log_format_and_no_library_noise(tiny_models, tmp_path):
+    """At default verbosity a user's terminal gets our lines only, in one format (hivemind's
+    included), and the Python API prints nothing of torchao's or torch's."""
+    source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "chat")
+    with peers_in_background(source, [(0, 4)]) as (_, maddrs, _loop):
+        code, stderr = run("infer", "--model", str(source.folder), "--initial-peers", maddrs[0], "--max-new-tokens", "3", "hi")
+        api = subprocess.run([sys.executable, "-c", PYTHON_API, maddrs[0], str(source.folder)],
+                             capture_output=True, text=True, timeout=180)
+    assert code == 0, stderr
+    strays = [line for line in stderr.splitlines() if line.strip() and not OUR_LINE.match(line)]
+    assert not strays, strays
+    assert api.returncode == 0 and api.stdout.strip().startswith("["), api.stderr
+    assert not [line for line in api.stderr.splitlines() if "Failed to load" in line or "_pytree" in line], api.stderr

@@ -26,6 +26,7 @@ from typing import Annotated
 from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+from hivemind.utils.logging import use_hivemind_log_handler
 
 from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
 from p2pfusion.net import wire
@@ -35,6 +36,9 @@ from p2pfusion.net.identity import Identity, PeerProof, PeerProofs, client_conte
 from p2pfusion.net.secret import SecretProof, SwarmSecret
 
 log = logging.getLogger(__name__)
+# hivemind's lines go through the application's own handlers, in its format, rather than a
+# handler and format of hivemind's own beside them
+use_hivemind_log_handler("nowhere")
 
 # (reader, writer, source): who sent the stream (net.clients.Source)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Source], Awaitable[None]]
