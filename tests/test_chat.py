@@ -32,9 +32,8 @@ def chat_swarm(tiny_models, tmp_path_factory):
 def chat(chat_swarm):
     source, _, maddrs = chat_swarm
     args = build_parser().parse_args(["chat", "--model", str(source.folder), "--initial-peers", maddrs[0]])
-    model = client_model(args)
     loop = BackgroundLoop("test-chat")
-    loop.run(model.core.join(maddrs))
+    model = loop.run(client_model(args))  # joined, as `p2pfusion chat` builds it
     session = Chat(model, loop, REPLY)
     try:
         yield session

@@ -173,10 +173,12 @@ def test_no_stage_starting_at_or_after_k_is_a_clear_error(swarm, wanted):
     source, loop, peers, client, _ = swarm
     maddr = str(loop.run(peers[0].swarm.maddrs())[0])
     args = ["infer", "--model", str(source.folder), "--initial-peers", maddr, "--local-layers", str(wanted)]
-    model = client_model(build_parser().parse_args([*args, "hi"]))  # as `p2pfusion infer` builds it
-    model.core.swarm = client
-    with pytest.raises(RequestError) as error:
-        loop.run(model.generate(IDS, NEW))
+    model = loop.run(client_model(build_parser().parse_args([*args, "hi"])))  # as `p2pfusion infer` builds it
+    try:
+        with pytest.raises(RequestError) as error:
+            loop.run(model.generate(IDS, NEW))
+    finally:
+        loop.run(model.core.leave())
     assert str(error.value) == (
         f"--local-layers {wanted}: no stage of the swarm starts at layer {wanted} or later "
         "(the model has 4 layers; the swarm's stages start at 0, 1, 2)"
