@@ -217,6 +217,9 @@ async def connect(
     loading = _in_daemon_thread(load)
     try:
         await asyncio.wait({joining, loading}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in (loading, joining):  # the first to fail is said at once, not after the other ends
+            if task.done() and task.exception() is not None:
+                raise task.exception()
         swarm = await joining
         log.info("joined the swarm in %.1f s", time.perf_counter() - started)
         core = await loading
