@@ -41,24 +41,26 @@ def _median(stacked: torch.Tensor) -> torch.Tensor:
 
 
 def robust_mean(vectors: list[torch.Tensor]) -> Aggregate:
-    """The members' flat float32 vectors (equal lengths) combined; a RuntimeError-free answer for
-    any input: with no usable member, zeros (an outer step that changes nothing)."""
+    """The members' flat float32 vectors (equal lengths) combined, for any input: with no usable
+    member, zeros (an outer step that changes nothing)."""
     finite = [i for i, v in enumerate(vectors) if bool(torch.isfinite(v).all())]
     if len(finite) >= 3:
         norms = torch.stack([vectors[i].norm() for i in finite])
         bound = NORM_BOUND * float(norms.median())
         finite = [i for i, norm in zip(finite, norms.tolist()) if norm <= bound]
-    if len(finite) >= 3:
-        candidates = torch.stack([vectors[i] for i in finite])
-        distances = (candidates - _median(candidates)).norm(dim=1)
-        del candidates
-        bound = DISTANCE_BOUND * float(distances.median())
-        finite = [i for i, distance in zip(finite, distances.tolist()) if distance <= bound]
-    left_out = tuple(i for i in range(len(vectors)) if i not in finite)
     if not finite:
-        return Aggregate(torch.zeros_like(vectors[0]), left_out)
+        return Aggregate(torch.zeros_like(vectors[0]), tuple(range(len(vectors))))
     stacked = torch.stack([vectors[i] for i in finite])
     center = _median(stacked)
+    if len(finite) >= 3:
+        distances = (stacked - center).norm(dim=1)
+        bound = DISTANCE_BOUND * float(distances.median())
+        kept = [k for k, distance in enumerate(distances.tolist()) if distance <= bound]
+        if len(kept) < len(finite):  # the sort over every member's values again, only when one went
+            finite = [finite[k] for k in kept]
+            stacked = stacked[kept]
+            center = _median(stacked)
+    left_out = tuple(i for i in range(len(vectors)) if i not in finite)
     if len(finite) <= 2:
         return Aggregate(stacked.mean(dim=0) if len(finite) == 2 else center, left_out)
     radius = CLIP_SCALE * float((stacked - center).norm(dim=1).median())
