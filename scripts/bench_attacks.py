@@ -50,7 +50,7 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
-from p2pfusion.net.transport import _split_addr
+from p2pfusion.net.transport import split_addr
 from bench_machine import machine_header
 
 PROMPT = "What is the capital of France?"
@@ -87,7 +87,7 @@ async def slowloris(maddrs, key, hidden):
     hello = b"".join(bytes(p) for p in encode({"protocol": m.PROTOCOL}))
     while True:
         for record in records:
-            host, port = _split_addr(record.data_addrs[0])
+            host, port = split_addr(record.data_addrs[0])
             try:
                 _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=context), 5)
                 writer.write(hello)

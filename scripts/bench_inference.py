@@ -69,8 +69,9 @@ async def swarm_runs(source, maddrs, local, ids, batch, args) -> dict[str, list[
     swarm = await join_swarm(maddrs, client_mode=True)
     results = {"local_tps": [], "swarm_tps": [], "plain_tps": [], "local_batch": [], "swarm_batch": []}
     try:
-        model = RemoteCausalLM.build(source, swarm)
-        plain = RemoteCausalLM.build(source, swarm, screen_head=False)
+        # one token per step, as transformers decodes: scripts/bench_speculative.py measures drafts
+        model = RemoteCausalLM.build(source, swarm, speculate="off")
+        plain = RemoteCausalLM.build(source, swarm, screen_head=False, speculate="off")
         for warm in (model, plain):  # connections, links, caches
             await warm.generate(ids, 2, stop_at_eos=False)
         await swarm_batch_seconds(model, batch)

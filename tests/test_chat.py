@@ -31,7 +31,11 @@ def chat_swarm(tiny_models, tmp_path_factory):
 @pytest.fixture
 def chat(chat_swarm):
     source, _, maddrs = chat_swarm
-    args = build_parser().parse_args(["chat", "--model", str(source.folder), "--initial-peers", maddrs[0]])
+    # one token per step, so the peers' token counts below are the conversation's own (drafts that
+    # fall would add theirs: tests/test_speculative.py checks a session's caches with drafts)
+    args = build_parser().parse_args(
+        ["chat", "--model", str(source.folder), "--initial-peers", maddrs[0], "--speculate", "off"]
+    )
     loop = BackgroundLoop("test-chat")
     model = loop.run(client_model(args))  # joined, as `p2pfusion chat` builds it
     session = Chat(model, loop, REPLY)
@@ -81,7 +85,9 @@ def test_second_turn_sends_only_new_tokens_and_matches_transformers(chat_swarm, 
 
 
 def test_a_stopped_reply_keeps_the_session(chat_swarm, chat):
-    """What Ctrl-C does during a reply: stop after the current token, and go on in the same session."""
+    """What Ctrl-C does during a reply: the stop comes while the next token is computed, and that
+    token never shows (nothing appears after ^C); the reply is what was shown, and the chat goes on
+    in the same session."""
     source, peers, _ = chat_swarm
     tokenizer = chat.model.tokenizer
     before = _counters(peers)
@@ -89,13 +95,13 @@ def test_a_stopped_reply_keeps_the_session(chat_swarm, chat):
 
     def interrupt_after_three(token: int) -> None:
         seen.append(token)
-        if len(seen) == 3:
-            chat.stopping.set()
+        if len(seen) == 3:  # as Ctrl-C would: once this token is shown, while the next is on its way
+            asyncio.get_running_loop().call_soon(chat.stopping.set)
 
     first = chat.say("tell me a story", interrupt_after_three)
     second = chat.say("go on", lambda token: None)
     _, ref1 = _greedy(source, tokenizer, [_user("tell me a story")])
-    assert first.token_ids == ref1[:3]
+    assert seen == first.token_ids == ref1[:3]
     stopped = {"role": "assistant", "content": tokenizer.decode(ref1[:3], skip_special_tokens=True)}
     _, ref2 = _greedy(source, tokenizer, [_user("tell me a story"), stopped, _user("go on")])
     assert second.token_ids == ref2

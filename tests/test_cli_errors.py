@@ -2,9 +2,12 @@
 
 import asyncio
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -75,7 +78,6 @@ def cases(tiny: dict, tmp: Path, taken_port: int, live: str) -> dict[str, tuple[
         ),
         "unreachable initial peer": ([*infer, "hi"], ("no initial peer is reachable",)),
         "empty prompt": ([*infer, "   "], ("prompt is empty",)),
-        "prompt too long": (["infer", "--initial-peers", live, "word " * 9000], ("prompt too long: ", "the model accepts 8192")),
         "unavailable gpu": (["run-peer", "--model", llama, "--new-swarm", "--gpu", "0"], ("not available",)),
         "missing adapter": (
             ["infer", "--model", llama, "--initial-peers", live, "--adapter", str(tmp / "none"), "hi"],
@@ -121,7 +123,7 @@ CASE_NAMES = [
     "missing model path", "unreadable gguf", "unsupported architecture", "layers out of bounds", "empty layer range",
     "bad initial peer", "data port in use", "client compression", "peer compression", "training a quantized peer",
     "unreachable initial peer",
-    "empty prompt", "prompt too long", "unavailable gpu", "missing adapter", "adapter of another model",
+    "empty prompt", "unavailable gpu", "missing adapter", "adapter of another model",
     "layers with two models", "too little memory",
 ]
 
@@ -250,6 +252,57 @@ def test_an_unreachable_swarm_is_said_before_the_model_has_loaded():
     code, stderr = run("infer", "--initial-peers", DEAD_PEER, "hi")
     assert code != 0 and "no initial peer is reachable" in stderr.strip().splitlines()[-1]
     assert "loaded SmolLM2" not in stderr, stderr
+
+
+def test_every_length_message_names_the_limit_that_holds(tiny_models, tmp_path):
+    """Peers that accept 64 tokens of a model with 128 positions: a prompt over either limit, and
+    one too long to tokenize at all, are each refused at the swarm's 64."""
+    source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "chat")
+
+    async def all_of(maddr):
+        prompts = ("a" * 100, "a" * 300, "a" * 5000)
+        return await asyncio.gather(*(_run("infer", "--model", str(source.folder), "--initial-peers", maddr, p) for p in prompts))
+
+    with peers_in_background(source, [(0, 4)], session_limit=64) as (_, maddrs, _loop):
+        results = uvloop.run(all_of(maddrs[0]))
+    for result, needle in zip(results, ("10", "30", "5000 characters cannot fit in the 64 tokens")):
+        assert_one_line_error(result, f"prompt too long: {needle}", "the swarm accepts")
+        assert "64" in result[1].splitlines()[-1] and "128" not in result[1].splitlines()[-1]
+
+
+def test_a_model_the_swarm_does_not_serve_is_said_before_a_first_run_has_converted_it(tiny_models, tmp_path):
+    """With an empty cache, the default model takes tens of seconds to convert and hash; a swarm
+    that serves another model is said from the model's shape (its GGUF header) before that ends."""
+    env = dict(os.environ, P2PFUSION_CACHE=str(tmp_path / "cache"))
+    with peers_in_background(tiny_models["llama"], [(0, 4)]) as (_, maddrs, _loop):
+        result = subprocess.run([*CLI, "infer", "--initial-peers", maddrs[0], "hi"],
+                                capture_output=True, text=True, timeout=120, env=env)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode != 0 and "the swarm serves no model like SmolLM2-135M-Instruct (30 layers" in last, result.stderr
+    assert "(key llama-4x64-" in last  # and names what it does serve
+    assert not list((tmp_path / "cache").glob("converted/*/complete")), "it waited for the conversion"
+
+
+def test_a_stopped_peer_removes_its_address_file_and_a_stale_address_is_named_so(tiny_models, tmp_path):
+    """The README's snippet reads `peer1.addr`: once its peer stops the file is gone, and an address
+    kept from it elsewhere fails with one short traceback that says what is wrong."""
+    address_file = tmp_path / "peer1.addr"
+    peer = subprocess.Popen(
+        [*CLI, "run-peer", "--model", str(tiny_models["llama"].folder), "--new-swarm", "--layers", "0:4",
+         "--throughput", "100", "--address-file", str(address_file)], stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.monotonic() + 120
+    while not address_file.exists():
+        assert peer.poll() is None and time.monotonic() < deadline, "the peer never wrote its address file"
+        time.sleep(0.2)
+    stale = address_file.read_text().split()[0]
+    peer.send_signal(signal.SIGINT)
+    assert peer.wait(60) == 0, peer.stderr.read()
+    assert not address_file.exists()
+    api = subprocess.run([sys.executable, "-c", PYTHON_API, stale, str(tiny_models["llama"].folder)],
+                         capture_output=True, text=True, timeout=180)
+    assert api.returncode != 0 and api.stderr.count("Traceback") == 1, api.stderr
+    assert "no initial peer is reachable" in api.stderr and "stale once its peer stopped" in api.stderr.splitlines()[-1]
 
 
 OUR_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARN|WARNING|ERROR) [\w.]+: ")

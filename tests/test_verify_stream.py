@@ -21,7 +21,8 @@ from p2pfusion.net.compression import Codec
 from p2pfusion.cli.commands import StreamingDecoder
 from tests.conftest import reference_model
 from tests.test_api import _serve_in_process, _stop_server
-from tests.swarm import running_peers, start_peer, stop_peer
+from p2pfusion.client.loop import BackgroundLoop
+from tests.swarm import peers_in_background, running_peers, start_peer, stop_peer
 from tests.test_verify import lie, noise
 from tests.tiny_chat import char_tokenizer, with_chat_tokenizer
 
@@ -129,26 +130,31 @@ async def api_stream(source, maddrs, prompt: str, hold: bool) -> tuple[str, int]
 def test_tokens_stream_while_checks_run_and_a_failed_check_is_corrected_in_view(tiny_models, tmp_path):
     source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "llama")  # text for the stream
 
-    async def scenario():
-        # two peers serve every layer; the faster-claiming one takes the routes, the other checks them
-        async with running_peers(source, [(0, 4)]) as ([checker], maddrs):
-            routed = await start_peer(source, maddrs, (0, 4), throughput="1000")
-            try:
-                ended: list[float] = []
-                slow_on_prefills(checker, ended)
-                at_once = await generate(source, maddrs, hold=False), list(ended)
-                ended.clear()
-                held = await generate(source, maddrs, hold=True), list(ended)
-                checker.server.stage.forward = checker.server.stage.__class__.forward.__get__(checker.server.stage)
-                lie(routed, noise)
-                corrected = await generate(source, maddrs, hold=False)
-                streamed = await stream(source, maddrs)
-                api = [await api_stream(source, maddrs, PROMPT, hold) for hold in (False, True)]
-            finally:
-                await stop_peer(routed)
-        return routed.swarm.peer_id, at_once, held, corrected, streamed, api
+    async def scenario(checker, routed, maddrs):
+        ended: list[float] = []
+        slow_on_prefills(checker, ended)
+        at_once = await generate(source, maddrs, hold=False), list(ended)
+        ended.clear()
+        held = await generate(source, maddrs, hold=True), list(ended)
+        checker.server.stage.forward = checker.server.stage.__class__.forward.__get__(checker.server.stage)
+        lie(routed, noise)
+        corrected = await generate(source, maddrs, hold=False)
+        streamed = await stream(source, maddrs)
+        api = [await api_stream(source, maddrs, PROMPT, hold) for hold in (False, True)]
+        return at_once, held, corrected, streamed, api
 
-    liar, at_once, held, corrected, streamed, api = uvloop.run(scenario())
+    # two peers serve every layer; the faster-claiming one takes the routes, the other checks them.
+    # Each runs on a thread and loop of its own, as a peer process would: the checker's slow steps
+    # block only its own loop, never the routed peer's or this client's.
+    with peers_in_background(source, [(0, 4)]) as ([checker], maddrs, _):
+        routed_loop = BackgroundLoop("routed-peer")
+        routed = routed_loop.run(start_peer(source, maddrs, (0, 4), throughput="1000"))
+        try:
+            at_once, held, corrected, streamed, api = uvloop.run(scenario(checker, routed, maddrs))
+        finally:
+            routed_loop.run(stop_peer(routed))
+            routed_loop.close()
+    liar = routed.swarm.peer_id
     expected = expected_tokens(source)
 
     # by default tokens come as they are chosen: all but the last came while the first check still ran

@@ -119,9 +119,10 @@ class Completions:
         traffic); without `max_tokens`, the generation may fill the context the swarm accepts."""
         lm = self.lm
         try:
+            limit = await lm.model.core.longest_session()  # the length a prompt is checked against
             ids = await asyncio.get_running_loop().run_in_executor(self.tokenizing, lm.encode, prompt)
             if max_tokens is None:
-                max_tokens = max(await lm.model.core.longest_session() - len(ids), 1)
+                max_tokens = max(limit - len(ids), 1)
             request = lm.request(
                 ids, max_tokens, 1.0 if body.temperature is None else body.temperature, body.seed,
                 top_p=1.0 if body.top_p is None else body.top_p, stop=body.stops,

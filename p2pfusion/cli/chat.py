@@ -6,7 +6,7 @@ KV caches and a turn sends only its new tokens. Replies stream to stdout; notice
 
 The chat runs on the main thread and the swarm on a loop thread of its own, so `input()` keeps its
 line editing and Ctrl-C reaches the main thread: during a reply it asks the generation to stop
-after its current token, which leaves the session consistent for the next turn.
+before the next token shows, which leaves the session consistent for the next turn.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Chat:
                 result = future.result()
                 break
             except KeyboardInterrupt:
-                self.stopping.set()  # the reply ends after its current token
+                self.stopping.set()  # the reply ends with the tokens shown so far
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
         self.length = len(ids) + len(result.token_ids)
         return result

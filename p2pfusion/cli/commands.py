@@ -98,6 +98,7 @@ def client_options(args) -> ClientOptions:
     return ClientOptions(
         compression=args.compression, verify=args.verify, canaries=args.canaries, swarm_secret=args.swarm_secret,
         trusted_peers=args.trusted_peers, local_layers=args.local_layers, min_precision=args.min_precision,
+        speculate=args.speculate,
     )
 
 
@@ -121,6 +122,7 @@ async def infer(args, started: float) -> None:
         raise RequestError("the prompt is empty")
     model = await client_model(args)
     try:
+        await model.core.longest_session()  # a prompt is refused at the length the swarm accepts, not the model's
         ids = model.encode(args.prompt, args.chat)
         log.info("loaded %s in %.1f s; prompt: %d tokens", model.source.name, time.perf_counter() - started, len(ids))
         decoder = StreamingDecoder(model.tokenizer)
@@ -131,10 +133,11 @@ async def infer(args, started: float) -> None:
         decoder.finish()
     finally:
         await model.core.leave()
-    steps = max(len(result.token_ids) - 1, 1)
+    decoded = max(len(result.token_ids) - 1, 1)
+    per_step = "" if result.steps is None else f"; {len(result.token_ids) / result.steps:.2f} tokens per swarm step"
     log.info(
-        "%d tokens; prefill %.2f s; decode %.1f tokens/s",
-        len(result.token_ids), result.prefill_seconds, steps / max(result.decode_seconds, 1e-9),
+        "%d tokens; prefill %.2f s; decode %.1f tokens/s%s",
+        len(result.token_ids), result.prefill_seconds, decoded / max(result.decode_seconds, 1e-9), per_step,
     )
 
 

@@ -20,6 +20,7 @@ from p2pfusion.cli.options import (
     DTYPES,
     INITIAL_PEERS,
     LOCAL_LAYERS,
+    SPECULATE,
     PORT,
     PRIVACY,
     QUANTS,
@@ -99,6 +100,7 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     command.add_argument("--swarm-secret", **SWARM_SECRET)
     command.add_argument("--trusted-peers", **TRUSTED_PEERS)
     command.add_argument("--local-layers", **LOCAL_LAYERS)
+    command.add_argument("--speculate", **SPECULATE)
     precision_options(command)
 
 
@@ -185,7 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding this peer's key, created if missing (mode 0600; its TLS certificate goes in PATH.tls): "
         "the peer keeps its id, address and layers across restarts (default: a new key each run)",
     )
-    peer.add_argument("--address-file", type=Path, metavar="PATH", help="write this peer's multiaddrs here once serving")
+    peer.add_argument(
+        "--address-file", type=Path, metavar="PATH", help="write this peer's multiaddrs here once serving; removed when it stops"
+    )
     peer.add_argument(
         "--session-limit", type=whole_number(1), default=DEFAULT_SESSION_LIMIT, metavar="N",
         help="longest session accepted, in tokens (clients learn it from the DHT)",
@@ -269,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--swarm-secret", **SWARM_SECRET)
     api.add_argument("--trusted-peers", **TRUSTED_PEERS)
     api.add_argument("--local-layers", **LOCAL_LAYERS)
+    api.add_argument("--speculate", **SPECULATE)
     precision_options(api)
 
     view = _command(sub, "swarm", "show a swarm's stages, peers and bottleneck")

@@ -181,6 +181,12 @@ LOCAL_LAYERS = dict(
     "token embeddings; costs client compute and memory",
 )
 
+SPECULATE = dict(
+    choices=("auto", "off"), default="auto",
+    help="send drafted tokens (looked up in the text so far) for the swarm to check in one step, when the "
+    "model's layers allow it and drafting pays: the same text, in fewer trips around the route",
+)
+
 # models/formats.py's WeightFormat, from most to least precise, the two half-precision formats ranking
 # equal (named here: importing it would import torch)
 FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")

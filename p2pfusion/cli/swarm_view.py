@@ -50,7 +50,7 @@ def format_table(view: dict) -> str:
     role_width = max([len("role"), *(len(_role(p)) for p in view["peers"])])
     device_width = min(max([len("device"), *(len(p["device"]) for p in view["peers"])]), MAX_DEVICE)
     header = (
-        f"  {'layers':>8}  {'state':<8} {'advertised':>10} {'observed':>9} {'load':>6} {'sessions':>8} "
+        f"  {'layers':>8}  {'state':<11} {'advertised':>10} {'observed':>9} {'load':>6} {'sessions':>8} "
         f"{'cache MiB':>11}  {'role':<{role_width}} {'format':<8} {'device':<{device_width}} peer"
     )
     lines.append(header)
@@ -59,12 +59,18 @@ def format_table(view: dict) -> str:
         moving = f" -> {p['moving_to'][0]}:{p['moving_to'][1]}" if p["moving_to"] else ""
         cache = f"{p['cache_used'] / MIB:.0f}/{p['cache_total'] / MIB:.0f}" if p["cache_total"] else "-"
         lines.append(
-            f"  {p['layers'][0]:>3}:{p['layers'][1]:<4}  {p['state']:<8} {p['advertised_tokens_per_s']:>10.1f} "
+            f"  {p['layers'][0]:>3}:{p['layers'][1]:<4}  {p['state']:<11} {p['advertised_tokens_per_s']:>10.1f} "
             f"{observed:>9} {p['load_tokens_per_s']:>6.1f} {p['sessions']:>8} {cache:>11}  {_role(p):<{role_width}} {p['weights']:<8} "
             f"{_cut(p['device'], device_width):<{device_width}} {p['peer_id']}{moving}"
         )
+    for p in view["peers"]:
+        if p["unreachable"] is not None:
+            lines.append(f"  unreachable: {p['peer_id']} ({p['claimed_state']}, layers {p['layers'][0]}:{p['layers'][1]}): "
+                         f"{p['unreachable']}")
     if view["gaps"]:
-        lines.append(f"  not served: layers {_spans(view['gaps'])}")
+        claimed = view["unreachable_claims"]
+        lines.append(f"  not served: layers {_spans(view['gaps'])}"
+                     + (f" (listed peers claim {_spans(claimed)}, but cannot be reached)" if claimed else ""))
     lines.append(
         f"  bottleneck: {view['bottleneck_tokens_per_s']:.1f} tokens/s at layers {_spans(view['bottleneck_layers'])}"
     )

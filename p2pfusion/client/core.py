@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -25,13 +26,14 @@ from p2pfusion.client.checks.local import Recomputer
 from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.client.options import ClientOptions
 from p2pfusion.client.route.access import SwarmAccess
+from p2pfusion.client.route.catalog import describe
 from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.planner import longest_session
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
-from p2pfusion.errors import ModelError, RequestError
-from p2pfusion.models.source import ModelSource, resolve_model
+from p2pfusion.errors import ModelError, RequestError, RouteError
+from p2pfusion.models.source import ModelSource, model_shape, resolve_model
 from p2pfusion.models.stage import load_config, load_head, max_positions
 from p2pfusion.net.compression import Purpose
 from p2pfusion.net.links import LinkBook
@@ -56,6 +58,7 @@ class ClientCore:
         self._distrust: Distrust | None = None
         self._reads: dict[str, asyncio.Task] = {}  # swarm reads in flight, shared by sessions opening together
         self._background: set[asyncio.Task] = set()  # work beside the user's (canaries), ended by `leave`
+        self._swarm_limit: int | None = None  # the longest session the swarm accepted when last asked
         if self.options.trusted_peers is not None:
             log.info("routing only through %d trusted peers", len(self.options.trusted_peers))
 
@@ -67,6 +70,13 @@ class ClientCore:
     def max_positions(self) -> int:
         """The model's own positions; a session's length also follows what the swarm's peers accept."""
         return max_positions(self.config)
+
+    def length_limit(self) -> tuple[int, str]:
+        """The longest sequence to check a prompt against before any network traffic, and whose it
+        is: the swarm's as `longest_session` last read it, else the model's own positions."""
+        if self._swarm_limit is not None:
+            return self._swarm_limit, "the swarm"
+        return self.max_positions, "the model"
 
     @property
     def tokenizer(self):
@@ -165,9 +175,12 @@ class ClientCore:
         async def read() -> int:
             access = self.access()
             records = await access.records(first)
-            return longest_session(
+            limit = longest_session(
                 records, self.num_layers, self.max_positions, banned=self.health.banned(records), first=first
             )
+            if first == 0:
+                self._swarm_limit = limit
+            return limit
 
         return await self.shared(f"limit {first}", read)
 
@@ -215,15 +228,18 @@ async def connect(
     started = time.perf_counter()
     joining = asyncio.ensure_future(join_swarm(list(initial_peers), client_mode=True, secret=options.swarm_secret))
     loading = _in_daemon_thread(load)
+    served = asyncio.ensure_future(_served(joining, model.folder if isinstance(model, ModelSource) else model))
     try:
-        await asyncio.wait({joining, loading}, return_when=asyncio.FIRST_EXCEPTION)
-        for task in (loading, joining):  # the first to fail is said at once, not after the other ends
+        await asyncio.wait({joining, loading, served}, return_when=asyncio.FIRST_EXCEPTION)
+        for task in (served, loading, joining):  # the first to fail is said at once, not after the others end
             if task.done() and task.exception() is not None:
                 raise task.exception()
         swarm = await joining
         log.info("joined the swarm in %.1f s", time.perf_counter() - started)
         core = await loading
+        served.cancel()  # the loaded model's key is the final word
     except BaseException:
+        served.cancel()
         loading.cancel()  # its thread finishes on its own, or ends with the process
         if joining.done() and not joining.cancelled() and joining.exception() is None:
             await joining.result().shutdown()
@@ -232,6 +248,22 @@ async def connect(
         raise
     core.attach(swarm)
     return core
+
+
+async def _served(joining: asyncio.Future[SwarmNode], model: str | Path | None) -> None:
+    """A RouteError as soon as the swarm's model list shows that it cannot serve `model`: no listed
+    model has its shape, so none has its weights. Said while the model loads, since a first run's
+    conversion and hashing take tens of seconds; the loaded model's key decides the rest."""
+    swarm = await asyncio.shield(joining)
+    shape = await asyncio.to_thread(model_shape, None if model is None else str(model))
+    if shape is None:  # a Hub id: nothing to compare before it is downloaded
+        return
+    name, layers, hidden = shape
+    listed = await swarm.models()
+    if not any((e.num_layers, e.hidden_size) == (layers, hidden) for e in listed):
+        raise RouteError(
+            f"the swarm serves no model like {name} ({layers} layers, hidden size {hidden}); it serves: {describe(listed)}"
+        )
 
 
 def _in_daemon_thread(work: Callable[[], T]) -> asyncio.Future[T]:

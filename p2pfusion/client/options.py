@@ -38,6 +38,8 @@ class ClientOptions:
     min_precision: WeightFormat = WeightFormat.INT4  # the least precise weight format a route may use
     screen_head: bool = True  # greedy tokens through the float16 screen of the LM head (generate/screen.py)
     canaries: float = 0.0  # chance a generation is followed by a canary session (client/canary.py)
+    # "auto": speculative decoding (client/generate/draft.py) where the layers can drop rejected drafts; "off"
+    speculate: str = "auto"
 
     def __post_init__(self):
         read = {
@@ -50,6 +52,7 @@ class ClientOptions:
             "min_precision": minimum_format(self.min_precision),
             "screen_head": _flag(self.screen_head, "screen_head"),
             "canaries": check_rate(self.canaries, "canaries"),
+            "speculate": _choice(self.speculate, "speculate", ("auto", "off")),
         }
         for name, value in read.items():
             object.__setattr__(self, name, value)
@@ -93,6 +96,12 @@ def _dtype(value: object) -> torch.dtype:
 def _whole(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise RequestError(f"{name} is a whole number of layers (0: none), got {value!r}")
+    return value
+
+
+def _choice(value: object, name: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise RequestError(f"{name} is one of {', '.join(choices)}, got {value!r}")
     return value
 
 

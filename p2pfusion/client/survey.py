@@ -2,10 +2,12 @@
 peers (state, layers, device, advertised and observed speed, load, backup role) and its bottleneck.
 
 `p2pfusion swarm` prints it and the HTTP API serves it (`GET /v1/swarm`), so both show the same.
-A record lives in the DHT for up to RECORD_TTL after its peer died, so each peer is asked whether it
-answers (its echo protocol, served from the moment it joins) before it is shown. A view is kept
-SNAPSHOT_TTL for whoever asks again meanwhile, so any number of open pages cost one DHT read and one
-round of pings per SNAPSHOT_TTL, and a killed peer is gone from the next page refresh after that.
+A record lives in the DHT for up to RECORD_TTL after its peer died, and a peer may be listed at
+addresses nobody reaches, so each peer is asked whether it answers (its echo protocol, served from
+the moment it joins). One that does not is shown as "unreachable", with the reason, and its layers
+count as not served. A view is kept SNAPSHOT_TTL for whoever asks again meanwhile, so any number of
+open pages cost one DHT read and one round of pings per SNAPSHOT_TTL, and a killed peer shows as
+unreachable from the next page refresh after that, until its record expires.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,7 +26,7 @@ from p2pfusion.dht.coverage import layer_throughputs
 from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState, span_throughput
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import P2PFusionError
-from p2pfusion.net.probe import reachable
+from p2pfusion.net.probe import silence
 
 log = logging.getLogger(__name__)
 
@@ -46,30 +48,39 @@ def ranges(layers: list[int]) -> list[list[int]]:
 
 @dataclass
 class ModelView:
-    """One model's records (the live ones only) and this machine's observed speeds of its peers."""
+    """One model's listed records, why those that did not answer are unreachable, and this
+    machine's observed speeds of its peers."""
 
     entry: ModelEntry
     records: list[PeerRecord]
     observed: dict[str, float]
+    unreachable: dict[str, str] = field(default_factory=dict)  # peer id -> why
 
     def to_dict(self) -> dict:
-        totals = layer_throughputs(self.records, self.entry.num_layers)
+        live = [r for r in self.records if r.peer_id not in self.unreachable]
+        totals = layer_throughputs(live, self.entry.num_layers)
         low = min(totals, default=0.0)
         where = [i for i, t in enumerate(totals) if t == low]
+        gaps = [i for i, t in enumerate(totals) if t <= 0]
+        lost = layer_throughputs([r for r in self.records if r.peer_id in self.unreachable], self.entry.num_layers)
         peers = sorted(self.records, key=lambda r: (r.start, r.end, r.state.value, r.peer_id))
         return {
             "model": self.entry.name, "key": self.entry.key, "num_layers": self.entry.num_layers,
             "layer_tokens_per_s": [round(t, 2) for t in totals],
-            "gaps": ranges([i for i, t in enumerate(totals) if t <= 0]),
+            "gaps": ranges(gaps),
+            # gaps that listed peers claim, but could not be reached at
+            "unreachable_claims": ranges([i for i in gaps if lost[i] > 0]),
             "bottleneck_tokens_per_s": round(low, 2), "bottleneck_layers": ranges(where),
-            "peers": [self._peer(r) for r in peers],
+            "peers": [self._peer(r, live) for r in peers],
         }
 
-    def _peer(self, r: PeerRecord) -> dict:
+    def _peer(self, r: PeerRecord, live: list[PeerRecord]) -> dict:
         seen = self.observed.get(r.peer_id)
-        stage = [p for p in self.records if (p.start, p.end) == (r.start, r.end) and p.peer_id != r.peer_id]
+        stage = [p for p in live if (p.start, p.end) == (r.start, r.end) and p.peer_id != r.peer_id]
+        why = self.unreachable.get(r.peer_id)
         return {
-            "peer_id": r.peer_id, "layers": [r.start, r.end], "state": r.state.value, "device": r.device,
+            "peer_id": r.peer_id, "layers": [r.start, r.end], "state": r.state.value if why is None else "unreachable",
+            "claimed_state": r.state.value, "unreachable": why, "device": r.device,
             "weights": r.weights,
             "advertised_tokens_per_s": round(r.throughput, 2),
             "observed_tokens_per_s": None if seen is None else round(span_throughput(seen, None, r.span), 2),
@@ -102,14 +113,11 @@ async def time_peer(
     return record.span / seconds
 
 
-async def answering(swarm: SwarmNode, records: list[PeerRecord]) -> list[PeerRecord]:
-    """The records whose peers answer an echo now, all asked at once."""
+async def unanswered(swarm: SwarmNode, records: list[PeerRecord]) -> dict[str, str]:
+    """The peers of `records` that do not answer an echo now, all asked at once, and why."""
     transport = swarm.transport
-    answers = await asyncio.gather(*(reachable(transport, r.peer_id, r.data_addrs, PING_TIMEOUT) for r in records))
-    for record, answered in zip(records, answers):
-        if not answered:
-            log.debug("peer %s does not answer: left out of the swarm's view", record.peer_id)
-    return [r for r, answered in zip(records, answers) if answered]
+    answers = await asyncio.gather(*(silence(transport, r.peer_id, r.data_addrs, PING_TIMEOUT) for r in records))
+    return {r.peer_id: why for r, why in zip(records, answers) if why is not None}
 
 
 class SwarmStatus:
@@ -130,16 +138,16 @@ class SwarmStatus:
     async def view(self, entry: ModelEntry, probe: bool = False) -> dict:
         """One model's view. `probe` first times each live peer from here (a short session each)."""
         listed = [r for r in await self.swarm.lookup(entry.key) if r.state != PeerState.OFFLINE]
-        records = await answering(self.swarm, listed)
+        unreachable = await unanswered(self.swarm, listed)
         health = self.health(entry.key)
         if probe:
-            for record in records:
+            for record in (r for r in listed if r.peer_id not in unreachable):
                 try:
                     await time_peer(self.swarm, record, entry.hidden_size, health)
                 except (P2PFusionError, OSError, TimeoutError) as exc:  # shown with no fresh observation
                     log.warning("could not probe %s: %s", record.peer_id, exc)
             save_observed(entry.key, health.observed)
-        return ModelView(entry, records, dict(health.observed)).to_dict()
+        return ModelView(entry, listed, dict(health.observed), unreachable).to_dict()
 
     async def views(
         self, choose: Callable[[list[ModelEntry]], list[ModelEntry]] | None = None, probe: bool = False

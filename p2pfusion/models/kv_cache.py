@@ -71,6 +71,10 @@ class _SessionLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
+    def keep(self, length: int) -> None:
+        """Forget the positions past `length`; the next update writes over them."""
+        self.length = min(self.length, length)
+
     def reset(self) -> None:
         self.keys = self.values = None
         self.is_initialized = False
@@ -86,6 +90,11 @@ class SessionCache(Cache):
     @property
     def length(self) -> int:
         return self.layers[0].length
+
+    def keep(self, length: int) -> None:
+        """Forget the positions past `length` in every layer (a speculative step's rejected drafts)."""
+        for layer in self.layers:
+            layer.keep(length)
 
     @property
     def rows(self) -> int:

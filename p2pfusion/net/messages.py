@@ -111,7 +111,9 @@ class Step:
     `mask` is the attention mask of the whole sequence so far as bytes of 0/1 [batch, length]
     (None: no padding); `positions` the new tokens' position ids as little-endian int32
     [batch, tokens] (None: their sequence positions); `params` the digest of the parameters the
-    client expects this step to use (None: none)."""
+    client expects this step to use (None: none); `keep` how many of the positions the session's
+    cache holds to keep before this step's are added (None: all): a speculative step's rejected
+    drafts are dropped so, with no replay."""
 
     kind: ClassVar[str] = "step"
     step: int
@@ -121,6 +123,7 @@ class Step:
     mask: bytes | None = None
     positions: bytes | None = None
     params: Id | None = None
+    keep: Count | None = None
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 
 import torch
 
-from p2pfusion.errors import PeerFailed, RequestError
+from p2pfusion.errors import PeerFailed, PeerUnreachable, RequestError
 from p2pfusion.net.clients import Source
 from p2pfusion.net.compression import LinkSpeed
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
@@ -67,12 +67,21 @@ async def _rtt(transport: Transport, peer_id: str, data_addrs: list[str]) -> flo
         return await _round_trips(reader, writer, None, rounds=1)
 
 
-async def reachable(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> bool:
+async def silence(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> str | None:
+    """None when the peer echoes within `timeout`; else why not, in a few words."""
     try:
         await asyncio.wait_for(_rtt(transport, peer_id, data_addrs), timeout)
-        return True
-    except (PeerFailed, RequestError, EOFError, OSError, TimeoutError):  # unreachable, silent, or no echo
-        return False
+        return None
+    except TimeoutError:
+        return f"no echo within {timeout:g} s"
+    except PeerUnreachable:
+        return "no connection opens to it, directly or through libp2p"
+    except (PeerFailed, RequestError, EOFError, OSError) as exc:
+        return f"its echo failed: {str(exc)[:80] or type(exc).__name__}"
+
+
+async def reachable(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> bool:
+    return await silence(transport, peer_id, data_addrs, timeout) is None
 
 
 async def _measure(transport: Transport, peer_id: str, data_addrs: list[str], payload_bytes: int) -> LinkSpeed:

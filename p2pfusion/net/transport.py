@@ -144,8 +144,11 @@ class Transport:
         except LIBP2P_ERRORS as exc:
             if "already taken" in str(exc):
                 raise ConfigError(f"another running peer already uses the identity in {identity_path}") from exc
-            if "bootstrap" in str(exc):
-                raise RouteError(f"no initial peer is reachable: {', '.join(initial_peers)}") from exc
+            if "bootstrap" in str(exc):  # the daemon's own words add nothing: no chained traceback
+                raise RouteError(
+                    f"no initial peer is reachable: {', '.join(initial_peers)} (is a peer running there? an address "
+                    "from an earlier run is stale once its peer stopped)"
+                ) from None
             raise RouteError(f"cannot join the swarm through {initial_peers}: {str(exc).splitlines()[0]}") from exc
         finally:
             if scratch is not None:
@@ -337,7 +340,7 @@ class Transport:
 
     async def _dial(self, peer_id: str, addrs: list[str], protocol: str) -> Stream:
         """The first of `addrs`, dialed at once, to prove itself `peer_id`; the others are closed."""
-        dials = [asyncio.ensure_future(self._open_direct(peer_id, addr, protocol)) for addr in addrs]
+        dials = [asyncio.ensure_future(self.open_direct(peer_id, addr, protocol)) for addr in addrs]
         winner: Stream | None = None
         try:
             errors: list[Exception] = []
@@ -356,8 +359,8 @@ class Transport:
                 if not dial.cancelled() and dial.exception() is None and dial.result() is not winner:
                     dial.result()[1].close()
 
-    async def _open_direct(self, peer_id: str, addr: str, protocol: str) -> Stream:
-        host, port = _split_addr(addr)
+    async def open_direct(self, peer_id: str, addr: str, protocol: str) -> Stream:
+        host, port = split_addr(addr)
         reader, writer = await asyncio.open_connection(host, port, ssl=self._client_tls, limit=STREAM_LIMIT)
         try:
             verify_peer(writer.get_extra_info("ssl_object").getpeercert(binary_form=True), peer_id)
@@ -390,7 +393,7 @@ def _join_addr(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _split_addr(addr: str) -> tuple[str, int]:
+def split_addr(addr: str) -> tuple[str, int]:
     host, sep, port = addr.rpartition(":")
     if not sep or not port.isdigit():
         raise ValueError(f"not a host:port address: {addr!r}")

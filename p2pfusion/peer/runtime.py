@@ -18,11 +18,11 @@ import torch
 
 from p2pfusion.dht.records import DEFAULT_SESSION_LIMIT, ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
-from p2pfusion.errors import ModelError
+from p2pfusion.errors import ConfigError, ModelError
 from p2pfusion.models.formats import WeightFormat, layer_sizes, load_quantizer, weight_format
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_config, load_stage
-from p2pfusion.net import probe
+from p2pfusion.net import probe, reach
 from p2pfusion.net.compression import AUTO, Compression
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.secret import SwarmSecret
@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 LINK_PROBES = 3  # peers whose links a joining peer measures
 SETTLE_DELAY = (0.5, 1.5)  # seconds before a joining peer re-checks its claim: a DHT write is seen by then
 SETTLE_ROUNDS = 3
-VERIFY_TTL = 10.0
-TRAINING_COPIES = 6  # float32 copies of its layers a training replica holds  # seconds our check of a peer that clients reported unreachable is trusted
+VERIFY_TTL = 10.0  # seconds our check of a peer that clients reported unreachable is trusted
+TRAINING_COPIES = 6  # float32 copies of its layers a training replica holds
 
 
 @dataclass
@@ -205,8 +205,10 @@ class Peer:
         if self.options.metrics_port is not None:  # first: a port taken fails the start before any work
             self.exporter = serve_metrics(self.metrics.registry, self.options.metrics_host, self.options.metrics_port)
         await probe.serve_probes(self.swarm.transport)
-        bench = await asyncio.to_thread(self._benchmark)
+        await reach.DialBackService(self.swarm.transport).start()
         records, _ = await self.live_records()
+        reachable = await self._reachable(records)
+        bench = await asyncio.to_thread(self._benchmark)
         network_rate, rtt = await self._measure_links(records)
         fit = self._layers_that_fit()
         if self.options.layers is not None and self.options.max_memory is not None:
@@ -223,10 +225,10 @@ class Peer:
                 f"{self.options.train}: a replica serves a stage's exact range, or layers no replica holds"
             )
         self.record = PeerRecord(
-            model=self.model, peer_id=self.swarm.peer_id, maddrs=await self.swarm.maddrs(),
+            model=self.model, peer_id=self.swarm.peer_id, maddrs=reachable.maddrs,
             start=placement.start, end=placement.end, state=PeerState.JOINING,
             compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
-            batch_rate=bench.batch_rate, rtt=rtt, data_addrs=self.swarm.transport.data_addrs,
+            batch_rate=bench.batch_rate, rtt=rtt, data_addrs=reachable.data_addrs,
             session_limit=self.options.session_limit, since=time.time(), weights=self.format.value, train_run=self.options.train,
         )
         await self.announce()
@@ -247,6 +249,34 @@ class Peer:
         await self.announce(state=PeerState.BACKUP if placement.backup else PeerState.ONLINE)
         role = "a warm backup of" if placement.backup else "serving"
         log.info("%s layers %d:%d as %s", role, placement.start, placement.end, self.swarm.peer_id)
+
+    async def _reachable(self, records: list[PeerRecord]) -> reach.Reach:
+        """The addresses others reach this peer at, as a neighbour found by dialling them back
+        (net/reach.py); the others are left out of its record, with a warning naming the fix. A
+        ConfigError when there are none: nobody could use the layers it claimed."""
+        transport = self.swarm.transport
+        neighbours = [(r.peer_id, r.data_addrs) for r in records if r.state != PeerState.OFFLINE]
+        random.shuffle(neighbours)  # joiners spread their dial-backs over the swarm
+        for maddr in transport.initial_peers:  # those it joined through: peers of other models answer too
+            if "/p2p/" in maddr:
+                neighbours.append((maddr.rsplit("/p2p/", 1)[1], []))
+        own = self.swarm.peer_id
+        neighbours = [n for i, n in enumerate(neighbours) if n[0] != own and n[0] not in {m[0] for m in neighbours[:i]}]
+        found = await reach.check(transport, neighbours, await self.swarm.maddrs(), transport.data_addrs)
+        announced = self.options.announce_host
+        fix = (
+            f"Is {announced} (--announce-host) this host's address, and is the port open to other hosts?"
+            if announced is not None else
+            "Pass the address other hosts reach this one at with --announce-host (and forward the port behind a NAT)."
+        )
+        for failed in found.unreachable:
+            log.warning("others cannot reach this peer at %s: %s (%s); it is left out of the peer's record. %s",
+                        failed.address, failed.reason, found.checker, fix)
+        if found.unreachable and not found.maddrs and not found.data_addrs:
+            where = "; ".join(f"{d.address}: {d.reason}" for d in found.unreachable)
+            raise ConfigError(f"no address this peer announces can be reached ({where}; {found.checker}), "
+                              f"so it claims no layers. {fix}")
+        return found
 
     def _room(self) -> int:
         """Bytes this peer may still fill: its budget less what it holds, or the device's free memory."""

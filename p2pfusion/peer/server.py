@@ -330,6 +330,7 @@ class StageServer:
     async def _on_step(self, session: Session, message: m.Step, tensor, writer, arrived: float) -> bool:
         try:
             inputs = session.check_step(message, tensor)
+            session.keep(inputs.keep)
             out, seconds = await self.compute.forward(session, inputs)
         except RequestError as exc:
             self.metrics.error(exc)

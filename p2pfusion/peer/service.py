@@ -39,7 +39,7 @@ async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSourc
         gc.collect()
         gc.freeze()
         await peer.start()
-        maddrs = await swarm.maddrs()
+        maddrs = peer.record.maddrs  # those others reached when checked (net/reach.py)
         if options.address_file is not None:
             tmp = options.address_file.with_suffix(".tmp")
             tmp.write_text("\n".join(maddrs) + "\n")
@@ -51,6 +51,8 @@ async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSourc
         log.info("leaving the swarm")
         await peer.leave()
     finally:
+        if options.address_file is not None:  # a stopped peer's address would only mislead whoever reads it next
+            options.address_file.unlink(missing_ok=True)
         await swarm.shutdown()
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from p2pfusion.errors import RequestError
+from p2pfusion.models.kv_cache import SessionCache
 from p2pfusion.models.tuning import StageParams, layer_of, stage_params
 from p2pfusion.models.stage import Graph, Stage
 from p2pfusion.net import messages as m
@@ -36,6 +37,7 @@ class StepInputs:
     positions: torch.Tensor | None
     params: StageParams | None = None  # the parameters this step ran with: a backward pass uses them too
     graph: Graph | None = None  # training: the forward's autograd graph, when memory allowed keeping it
+    keep: int | None = None  # cached positions kept before this step's (None: all)
 
 
 @dataclass
@@ -143,6 +145,14 @@ class Session:
         if batch * tokens > m.MAX_STEP_TOKENS:
             raise RequestError(f"a step holds at most {m.MAX_STEP_TOKENS} tokens (batch x length), got {batch * tokens}")
         offset = 0 if self.training else self.position
+        if message.keep is not None:
+            if self.training:
+                raise RequestError("a training step keeps no cache to cut")
+            if message.keep > self.position:
+                raise RequestError(f"a step keeps {message.keep} positions, but this session holds {self.position}")
+            if not isinstance(self.cache, SessionCache):
+                raise RequestError("these layers keep a sliding-window cache, which cannot drop positions")
+            offset = message.keep
         if offset + tokens > self.length:
             raise RequestError(f"session length {offset + tokens} exceeds the {self.length} it was opened for")
         if self.training and len(self.saved) >= m.MAX_SAVED:
@@ -154,7 +164,13 @@ class Session:
             raise RequestError("hidden states contain NaN or infinity")
         mask = None if message.mask is None else mask_from_wire(message.mask, batch, offset + tokens)
         positions = None if message.positions is None else positions_from_wire(message.positions, batch, tokens)
-        return StepInputs(tensor, mask, positions, self.params)
+        return StepInputs(tensor, mask, positions, self.params, keep=message.keep)
+
+    def keep(self, length: int | None) -> None:
+        """Forget the cached positions past `length` (checked by `check_step`); None keeps all."""
+        if length is not None:
+            self.cache.keep(length)
+            self.position = length
 
     def set_params(self, message: m.Params, flat: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """Keep the entries for this stage's layers; return the others, for the hops after us."""

@@ -265,6 +265,7 @@ function coverageBar(model) {
 }
 
 function role(peer) {
+  if (peer.unreachable) return `unreachable: ${peer.unreachable}`;
   if (peer.backup_for) return `backup of ${peer.backup_for.length ? peer.backup_for.map(short).join(", ") : "a lost stage"}`;
   if (peer.backed_up_by && peer.backed_up_by.length) return `${peer.backed_up_by.length} warm backup${peer.backed_up_by.length > 1 ? "s" : ""}`;
   return "–";
@@ -282,7 +283,10 @@ function peerRow(peer, neck) {
   const inNeck = peer.state !== "backup" && neck.some(([a, b]) => peer.layers[0] < b && a < peer.layers[1]);
   const moving = peer.moving_to ? ` → ${span(peer.moving_to)}` : "";
   return el("tr", { class: inNeck ? "neck" : "", "data-peer-id": peer.peer_id },
-    el("td", {}, el("span", { class: `state ${peer.state}`, text: peer.state })),
+    el("td", {}, el("span", {
+      class: `state ${peer.state}`, text: peer.state,
+      title: peer.unreachable ? `listed as ${peer.claimed_state}, but does not answer: ${peer.unreachable}` : "",
+    })),
     el("td", { class: "num", text: span(peer.layers) + moving }),
     el("td", { class: "device", text: `${peer.device}, ${peer.weights}` }),
     el("td", { class: "num", text: rate(peer.advertised_tokens_per_s) }),
@@ -290,12 +294,22 @@ function peerRow(peer, neck) {
     el("td", { class: "num", text: rate(peer.load_tokens_per_s) }),
     el("td", { class: "num", text: `${peer.sessions} / ${peer.queued}` }),
     cache(peer),
-    el("td", { text: role(peer) }),
+    el("td", { class: "role", text: role(peer) }),
     el("td", { class: "peer", title: peer.peer_id, text: short(peer.peer_id) }));
+}
+
+function unreachableCount(model) {
+  const n = model.peers.filter((p) => p.unreachable).length;
+  return n ? ` (${n} unreachable)` : "";
 }
 
 function modelCard(model) {
   const gaps = model.gaps.length ? model.gaps.map(span).join(", ") : "none";
+  const claimed = model.unreachable_claims.length
+    ? el("div", { class: "meta warning unreachable-claims",
+      text: `Layers ${model.unreachable_claims.map(span).join(", ")} are claimed by listed peers that do not answer: ` +
+        "stopped, frozen, or listed at an address nobody reaches (see their rows)." })
+    : "";
   const head = [
     "state", "layers", "device, weights", "advertised tok/s", "observed tok/s", "load tok/s", "sessions / queued", "KV cache",
     "backup role", "peer",
@@ -310,11 +324,12 @@ function modelCard(model) {
     el("h2", { text: model.model }),
     el("div", { class: "key-line", text: `${model.key} · ${model.num_layers} layers` }),
     el("div", { class: "summary" },
-      el("span", {}, "peers ", el("b", { text: String(model.peers.length) })),
+      el("span", {}, "peers ", el("b", { text: String(model.peers.length) }), unreachableCount(model)),
       el("span", { class: model.gaps.length ? "bad" : "" }, "not served ", el("b", { class: "gaps", text: gaps })),
       el("span", {}, "bottleneck ", el("b", { text: `${rate(model.bottleneck_tokens_per_s)} tokens/s` }),
         ` at layers ${model.bottleneck_layers.map(span).join(", ") || "–"}`)),
     coverageBar(model),
+    claimed,
     el("div", { class: "axis" }, el("span", { text: "layer 0" }), el("span", { text: `layer ${model.num_layers - 1}` })),
     el("div", { class: "legend" },
       el("span", {}, el("i", { style: "background: var(--bar)" }), "served (darker: faster)"),

@@ -70,6 +70,7 @@ class Verifier:
         self._quiet_until = 0.0
         self._rng = random.Random(seed)
         self._running: asyncio.Task | None = None  # the check under way, beside the generation
+        self._running_end = 0  # the positions it covers end before this one
         if self.off:
             log.warning("top-k compression loses too much to check peers' results: verification is off")
 
@@ -99,7 +100,7 @@ class Verifier:
         if time.monotonic() < self._quiet_until:  # nothing can check them: they count as checked
             self.checked = self.session.position
         elif continuous or self.checked == 0 or self._rng.random() < self.rate:
-            self._running = asyncio.create_task(self._check())
+            self._running, self._running_end = asyncio.create_task(self._check()), self.session.position
         return None
 
     async def finish(self) -> int | None:
@@ -227,6 +228,18 @@ class Verifier:
             if start < position <= end:
                 found.append(position - 1)
         return found
+
+    async def keep(self, length: int) -> None:
+        """Forget the outputs past `length` positions on this route too (a speculative step's
+        rejected drafts). A check runs over positions decided before the step, so none is cut:
+        should one be, it stops."""
+        if self._running is not None and self._running_end > length:
+            await self._stop_check()
+        self.session.keep(length)
+        self.outputs = cut(self.outputs, length)
+        self.routes = self.routes[:len(self.outputs)]
+        self.computed_by = self.computed_by[:len(self.outputs)]
+        self.checked = min(self.checked, length)
 
     async def rewind(self, length: int) -> None:
         """Forget the outputs past `length` positions, with the session's inputs."""

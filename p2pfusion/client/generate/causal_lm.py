@@ -22,7 +22,7 @@ from p2pfusion.client.generate.conversation import Conversation, Generated
 from p2pfusion.client.generate.greedy import HeadBatcher
 from p2pfusion.client.generate.local_layers import LocalLayers
 from p2pfusion.client.generate.lockstep import Lockstep
-from p2pfusion.client.generate.sampling import choose_token
+from p2pfusion.client.generate.sampling import choose_token, nucleus
 from p2pfusion.client.generate.screen import screened_head
 from p2pfusion.client.options import ClientOptions
 from p2pfusion.client.route.failover import ResilientSession
@@ -30,6 +30,7 @@ from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.client.tune.adapter import Adapter
 from p2pfusion.client.tune.steps import TuningSession
 from p2pfusion.errors import PromptTooLong, RequestError, RouteError
+from p2pfusion.models.kv_cache import batchable
 from p2pfusion.models.source import ModelSource
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.net.compression import Purpose
@@ -50,6 +51,7 @@ class RemoteCausalLM:
         self.canaries = Canaries(core)  # sessions of its own, sent after generations (client/canary.py)
         self._markers: list[str] | None = None  # the tokenizer's added tokens' texts (generate/template.py)
         self._longest_token: int | None = None
+        self._speculates: bool | None = None  # whether generations draft (`speculates`); None: not known yet
 
     @classmethod
     def build(
@@ -76,12 +78,13 @@ class RemoteCausalLM:
         return self.core.tokenizer
 
     def check_prompt(self, input_ids: list[int]) -> None:
-        """What can be checked before joining the swarm: the model's own positions."""
+        """What can be checked without the network: the length the swarm accepted when last asked
+        (callers that can ask first, the CLI and the HTTP API, do), else the model's own."""
         if not input_ids:
             raise RequestError("the prompt is empty")
-        limit = self.core.max_positions
+        limit, whose = self.core.length_limit()
         if len(input_ids) >= limit:
-            raise PromptTooLong(f"prompt too long: {len(input_ids)} tokens, the model accepts {limit}")
+            raise PromptTooLong(f"prompt too long: {len(input_ids)} tokens, {whose} accepts {limit}")
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         """Tokenize and validate a prompt (before any network traffic, so bad input fails fast)."""
@@ -98,7 +101,7 @@ class RemoteCausalLM:
     def _check_chars(self, chars: int) -> None:
         if self._longest_token is None:
             self._longest_token = template.longest_token(self.tokenizer)
-        template.check_text_length(chars, self.core.max_positions, self._longest_token)
+        template.check_text_length(chars, *self.core.length_limit(), self._longest_token)
 
     def require_chat_template(self) -> None:
         """A chat with a model that has no chat template is a request it cannot serve."""
@@ -175,6 +178,19 @@ class RemoteCausalLM:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(inputs_embeds=hidden).logits
+
+    def speculates(self) -> bool:
+        """Whether generations send drafts (client/generate/draft.py): unless the options say
+        "off", where every layer keeps a cache that can drop positions (no sliding windows)."""
+        if self._speculates is None:
+            self._speculates = self.core.options.speculate == "auto" and batchable(self.config)
+        return self._speculates
+
+    @torch.inference_mode()
+    def distributions(self, hidden: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+        """What sampling draws from at each position of `hidden` [1, tokens, hidden]: [tokens, vocab]."""
+        probs = torch.softmax(self.logits(hidden.to(self.core.options.dtype))[0].float() / temperature, dim=-1)
+        return nucleus(probs, top_p) if top_p < 1 else probs
 
     async def next_token(
         self, hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float = 1.0

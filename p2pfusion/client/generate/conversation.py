@@ -7,6 +7,7 @@ belong to it too.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 
 from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
+from p2pfusion.client.generate.draft import Speculation, accept_greedy, accept_sampled
 from p2pfusion.client.generate.local_layers import LocalRun
 from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.planner import new_tokens_within
@@ -37,6 +39,7 @@ class Generated:
     recoveries: int = 0  # times the session moved around a failed peer
     rewinds: int = 0  # times verification caught wrong results and the generation went back
     token_times: list[float] = field(default_factory=list)  # seconds from the call's start to each token
+    steps: int | None = None  # swarm steps the new tokens took, when drafts were sent (speculative decoding)
 
     @property
     def latencies(self) -> list[float]:
@@ -62,6 +65,7 @@ class Conversation:
         self.verifier: Verifier | None = None
         self.tokens: list[int] = []  # what the peers' caches hold (after the soft prompt), in order
         self.limit = 0  # the longest sequence of tokens the open session takes
+        self.speculation: Speculation | None = None  # drafting, as measured on this session
 
     def _unsent(self, input_ids: list[int]) -> list[int] | None:
         """The tokens after those the session holds; None when it holds other tokens, or all of them."""
@@ -87,7 +91,7 @@ class Conversation:
         hold: bool = False,
     ) -> Generated:
         """Continue `input_ids` (the whole sequence, earlier calls' tokens included) with up to
-        `max_new_tokens` tokens; `stop()`, asked after each token, ends the generation early and
+        `max_new_tokens` tokens; `stop()`, asked before each token is shown and after, ends the generation early and
         leaves the session ready for the next call. With verification on, checks run beside the
         generation (client/checks/verifier.py): `on_token` gets each token as it comes, and when a
         check finds the results behind some of them wrong, `on_rewind(n)` says that only the first
@@ -127,13 +131,27 @@ class Conversation:
             hidden = await self._step(embeds)
             self.tokens += new
             t1 = time.perf_counter()
+            spec = self._speculation()
+            queued: list[int] = []  # accepted drafts: in the peers' caches already, not in `out` yet
+            after: int | None = None  # the token the last speculative step chose after them
             with model.lockstep.member(adapter) as member:  # in step with the client's other sessions
                 while True:
-                    await member.turn()
-                    token = await model.next_token(hidden, temperature, generator, top_p)
-                    out.append(token)
-                    times.append(time.perf_counter() - started)
-                    done = (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
+                    cached = bool(queued)
+                    if cached:
+                        token = queued.pop(0)
+                    elif after is not None:
+                        await member.turn()
+                        token, after = after, None
+                    else:
+                        await member.turn()
+                        token = await model.next_token(hidden, temperature, generator, top_p)
+                    # a stop that came while this token was computed (a user's Ctrl-C) ends the reply
+                    # before it: nothing appears after the stop
+                    interrupted = stop is not None and stop()
+                    if not interrupted:
+                        out.append(token)
+                        times.append(time.perf_counter() - started)
+                    done = interrupted or (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
                     wrong = await self._check(done, hold)
                     if wrong is None:
                         shown = self._show(out, shown, len(input_ids) + reserved, on_token, hold)
@@ -144,6 +162,7 @@ class Conversation:
                         rewinds += 1
                         if rewinds > MAX_REWINDS:
                             raise RouteError(f"results failed verification {rewinds} times in one generation")
+                        queued, after = [], None
                         hidden = await self._rewind(wrong, input_ids, out, reserved, soft)
                         del times[len(out):]
                         if shown > len(out):
@@ -152,16 +171,68 @@ class Conversation:
                                 on_rewind(shown)
                         continue
                     if done:
+                        unused = len(queued) + (cached and interrupted)  # cached positions no token of `out` stands on
+                        if unused:
+                            await self._keep(self.session.position - unused)
+                            del self.tokens[-unused:]
                         break
-                    hidden = await self._step(model.embed([token]))
+                    if cached:
+                        continue
+                    room = total - len(input_ids) - len(out) - 1  # drafts past the last token allowed are wasted
+                    drafts = [] if spec is None else spec.drafts(input_ids + out, room)
+                    began = time.perf_counter()
+                    hidden = await self._step(model.embed([token, *drafts]))
                     self.tokens.append(token)
+                    if spec is not None:
+                        queued, after, hidden = await self._judge(drafts, hidden, temperature, generator, top_p)
+                        self.tokens += queued
+                        spec.took(len(drafts), len(queued), time.perf_counter() - began)
             t2 = time.perf_counter()
         except BaseException:
             await self.close()  # a step may be half done: the peers' caches are no longer known
             raise
         text = model.tokenizer.decode(out, skip_special_tokens=True) if decode else ""
         model.canaries.after_generation()
-        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds, times)
+        steps = None if spec is None else spec.steps
+        return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds, times, steps)
+
+    def _speculation(self) -> Speculation | None:
+        """This generation's drafting policy (None: no drafts), kept across the session's calls."""
+        if not self.model.speculates():
+            return None
+        if self.speculation is None:
+            self.speculation = Speculation()
+        self.speculation.steps = 1  # the prefill, which chose the first token
+        return self.speculation
+
+    async def _judge(
+        self, drafts: list[int], hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float
+    ) -> tuple[list[int], int | None, torch.Tensor]:
+        """The drafts that stand after a step of [token, *drafts], the token chosen after them
+        (None: the next `next_token` chooses it from the returned state), and the state the
+        generation goes on from; the positions of the drafts that fell leave the caches."""
+        if not drafts:
+            return [], None, hidden
+        model = self.model
+        if temperature <= 0:
+            choices = (await asyncio.to_thread(model.core.greedy_tokens, hidden))[0].tolist()
+            accepted = accept_greedy(drafts, choices)
+            after = choices[accepted]
+        else:
+            probs = await asyncio.to_thread(model.distributions, hidden, temperature, top_p)
+            accepted, after = accept_sampled(drafts, probs, generator)
+        fell = len(drafts) - accepted
+        if fell:
+            await self._keep(self.session.position - fell)
+        return drafts[:accepted], after, hidden[:, accepted:accepted + 1]
+
+    async def _keep(self, length: int) -> None:
+        """Drop the positions past `length` from every cache of the session (rejected drafts)."""
+        self.local.keep(length)
+        if self.verifier is not None:
+            await self.verifier.keep(length)
+        else:
+            self.session.keep(length)
 
     async def _check(self, final: bool, hold: bool) -> int | None:
         """The first wrong position found (None: none, or verification is off): by a check that

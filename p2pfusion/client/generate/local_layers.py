@@ -29,6 +29,7 @@ from p2pfusion.client.route.planner import find_route, usable
 from p2pfusion.client.tune.adapter import Adapter
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import RequestError, RouteError
+from p2pfusion.models.kv_cache import SessionCache
 from p2pfusion.models.stage import Stage, load_stage
 from p2pfusion.models.tuning import StageParams, stage_params
 
@@ -99,6 +100,15 @@ class LocalRun:
     def rewind(self, length: int) -> None:
         """Keep the first `length` positions only (a verifier found the outputs after them wrong)."""
         self._inputs, self._cache = cut(self._inputs, length), None
+
+    def keep(self, length: int) -> None:
+        """Keep the first `length` positions (a speculative step's drafts were rejected): a cache
+        that can drop positions keeps the rest, others are rebuilt on the next step."""
+        self._inputs = cut(self._inputs, length)
+        if isinstance(self._cache, SessionCache):
+            self._cache.keep(length)
+        else:
+            self._cache = None
 
 
 def _local_params(stage: Stage, params: SessionParams) -> StageParams | None:

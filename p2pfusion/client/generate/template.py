@@ -29,12 +29,11 @@ def longest_token(tokenizer) -> int:
     return max((len(entry) for entry in tokenizer.get_vocab()), default=1)
 
 
-def check_text_length(chars: int, positions: int, longest: int) -> None:
-    """Refuse text of `chars` characters that cannot fit in `positions` tokens, whatever it says."""
+def check_text_length(chars: int, positions: int, whose: str, longest: int) -> None:
+    """Refuse text of `chars` characters that cannot fit in `positions` tokens (`whose` limit:
+    "the swarm", "the model"), whatever it says."""
     if chars > positions * longest:
-        raise PromptTooLong(
-            f"prompt too long: {chars} characters cannot fit in the {positions} tokens the model accepts"
-        )
+        raise PromptTooLong(f"prompt too long: {chars} characters cannot fit in the {positions} tokens {whose} accepts")
 
 
 def plain_ids(tokenizer, text: str) -> list[int]:

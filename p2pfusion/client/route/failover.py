@@ -268,6 +268,14 @@ class ResilientSession:
         self._avoid.update({peer: (self._since(peer), now) for peer in others})
         return True
 
+    def keep(self, length: int) -> None:
+        """Forget the positions past `length` on this route too (a speculative step's rejected
+        drafts): the hops drop them from their caches with the next step, and a replay leaves them out."""
+        kept = cut([hidden for hidden, _ in self.history], length)
+        self.history = [(h, None if p is None else p[:, :h.shape[1]]) for h, (_, p) in zip(kept, self.history)]
+        if self.session is not None:
+            self.session.keep(length)
+
     async def rewind(self, length: int) -> None:
         """Forget every step past the first `length` positions: the next step opens a new route and
         replays the kept history (a verifier found the later outputs wrong)."""

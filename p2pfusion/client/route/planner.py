@@ -149,7 +149,7 @@ def find_route(
     if gaps:
         if length and not missing_layers(usable(records, banned, backups=backups), num_layers, first):
             raise RouteError(f"no peer accepting sessions of {length} tokens serves layers {format_ranges(gaps)}")
-        raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model")
+        raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model{_left_out(records, banned, gaps)}")
     observed, rtts, own = observed or {}, rtts or {}, own or {}
     best_rate = max(observed.values(), default=None)
     # best[layer] = (backups, seconds per token, route) of the best route from `layer` to the end
@@ -167,6 +167,15 @@ def find_route(
     if first not in best:
         raise RouteError(f"online peers cover every layer, but their ranges do not chain from layer {first} to the end")
     return best[first][2]
+
+
+def _left_out(records: list[PeerRecord], banned: Collection[str], gaps: list[tuple[int, int]]) -> str:
+    """What to add when peers do claim some of `gaps` but were left out."""
+    claimants = sorted({r.peer_id for r in records if r.peer_id in banned and any(r.start < b and a < r.end for a, b in gaps)})
+    if not claimants:
+        return ""
+    named = ", ".join(claimants[:3]) + (f" and {len(claimants) - 3} more" if len(claimants) > 3 else "")
+    return f": peers claim them ({named}), but this client left them out: they did not answer it, were busy, or failed its checks"
 
 
 def longest_session(

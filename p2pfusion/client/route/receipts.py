@@ -40,6 +40,12 @@ class SignedSteps:
                     continue
                 self.certs[cert.peer_id] = cert
 
+    def keep(self, length: int) -> None:
+        """The positions past `length` were dropped: their receipts cover nothing any more."""
+        self.receipts = [r for r in self.receipts if r.offset < length]
+        kept = {id(r) for r in self.receipts}
+        self._verified &= kept  # an id is only good while its receipt lives
+
     def codecs(self, start: int, end: int) -> frozenset[Codec] | None:
         """The codecs the states of positions [start, end) crossed the wire in on this route: this
         client's own sends, and each hop's output as its signed receipts say. None where a hop's

@@ -73,6 +73,7 @@ class RouteSession:
         self.last_link: LinkSpeed | None = None  # and of the gradients
         self.session_id = uuid.uuid4().hex
         self.position = 0
+        self._keep: int | None = None  # positions the hops keep before the next step (`keep`)
         self.leaving: set[str] = set()  # peers of this route that asked us to move (confirmed)
         self.seconds = 0.0  # the last step's wall time, as this client saw it
         self.strays: dict[str, int] = {}  # peers that sent frames their stream may not carry: how many
@@ -259,18 +260,29 @@ class RouteSession:
         # a training step is one whole sequence: its backward pass takes it in one piece
         sizes = [hidden.shape[1]] if training else chunk_sizes(hidden.shape[1], len(self.route))
         steps, end = [], offset
+        keep, self._keep = self._keep, None
         for piece in hidden.split(sizes, dim=1):  # all sent at once: the hops overlap on them
             begin, end = end, end + piece.shape[1]
             piece_positions = None if positions is None else positions[:, begin - offset:end - offset]
-            steps.append(await self.submit(piece, None if mask is None else mask[:, :end], piece_positions))
+            steps.append(await self.submit(piece, None if mask is None else mask[:, :end], piece_positions, keep))
+            keep = None
         outputs = [await self._reply(m.Result, timeout, step) for step in steps]
         if not training:
             self.position += hidden.shape[1]
         self.seconds = time.perf_counter() - t0
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
+    def keep(self, length: int) -> None:
+        """Drop the positions past `length` from the hops' caches (rejected drafts): the next step
+        tells them, and starts there."""
+        if length < self.position:
+            self.position = length
+            self._keep = length if self._keep is None else min(self._keep, length)
+            self.signed.keep(length)
+
     async def submit(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+        keep: int | None = None,
     ) -> int:
         """Send one step without waiting for it; `result` waits. Returns the step's number."""
         self._step += 1
@@ -279,6 +291,7 @@ class RouteSession:
             mask=None if mask is None else mask_to_wire(mask),
             positions=None if positions is None else positions_to_wire(positions),
             params=self.params_digest,
+            keep=keep,
         )
         self._sent_at[self._step] = time.perf_counter()
         await self._send(self._head, self.route[0], message, hidden, self.first_link)

@@ -1,0 +1,154 @@
+"""A peer checks that others reach it at the addresses it announces, before it claims layers, and
+`swarm` and clients say when listed peers cannot be reached. Loopback only: a peer listening on
+127.0.0.1 that announces 127.0.0.2 is the address nobody reaches."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import uvloop
+
+from p2pfusion.client.route.planner import find_route
+from p2pfusion.dht.records import PeerState
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import RouteError
+from p2pfusion.net import reach
+from tests.policy_records import rec
+from tests.swarm import peers_in_background, running_peers
+from tests.tiny_chat import with_chat_tokenizer
+
+CLI = [sys.executable, "-m", "p2pfusion.cli.main"]
+
+
+def _peer_cli(model: str, *args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*CLI, "run-peer", "--model", model, "--throughput", "100", "--host", "127.0.0.1", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
+    )
+
+
+def test_a_neighbour_dials_only_as_far_as_the_asker_is():
+    assert reach.may_dial("127.0.0.2", "ip:127.0.0.1")
+    assert reach.may_dial("10.0.0.7", "ip:127.0.0.1") and reach.may_dial("93.184.216.34", "ip:10.1.2.3")
+    assert not reach.may_dial("127.0.0.1", "ip:10.1.2.3")  # a LAN asker never makes us probe our loopback
+    assert not reach.may_dial("192.168.1.11", "ip:93.184.216.34")  # nor an internet one our LAN
+    assert not reach.may_dial("127.0.0.1", "circuit:12D3KooWRelay")
+    assert reach.tcp_target("/ip4/127.0.0.1/tcp/4001/p2p/12D3KooW") == ("127.0.0.1", 4001)
+    assert reach.tcp_target("/ip4/1.2.3.4/udp/4001/quic") is None
+    assert reach.tcp_target("/ip4/1.2.3.4/tcp/4001/p2p/R/p2p-circuit/p2p/X") is None
+
+
+def test_an_address_passes_when_any_checker_reached_it():
+    good, bad, unchecked = "/ip4/1.2.3.4/tcp/1", "/ip4/5.6.7.8/tcp/2", "/ip4/9.9.9.9/udp/3/quic"
+    liar = [reach.Dialled(good, False, "made up"), reach.Dialled(bad, False, "refused")]
+    honest = [reach.Dialled(good, True), reach.Dialled(bad, False, "connection refused")]
+    found = reach.verdict([good, bad, unchecked], ["1.2.3.4:5"], [liar, honest], "two peers")
+    assert found.maddrs == [good, unchecked] and found.data_addrs == ["1.2.3.4:5"]
+    assert [(d.address, d.reason) for d in found.unreachable] == [(bad, "refused")]
+
+
+def test_a_neighbour_dials_back_real_addresses(tiny_models):
+    """Over the real protocol: what listens answers, a port with nothing behind it does not, and a
+    direct address must prove the asker's peer id."""
+
+    async def scenario():
+        async with running_peers(tiny_models["llama"], [(0, 2), (2, 4)]) as (peers, _):
+            asker, neighbour = peers[1], peers[0]
+            own = await asker.swarm.maddrs()
+            port = own[0].split("/tcp/")[1].split("/")[0]
+            dead = f"/ip4/127.0.0.2/tcp/{port}"
+            other = neighbour.swarm.transport.data_addrs[0]  # a TLS listener that is not the asker
+            answer = await reach.ask(
+                asker.swarm.transport, neighbour.swarm.peer_id, neighbour.swarm.transport.data_addrs,
+                [own[0], dead], [asker.swarm.transport.data_addrs[0], other],
+            )
+            return {d.address: (d.reached, d.reason) for d in answer}, own[0], dead, asker.swarm.transport.data_addrs[0], other
+
+    results, good, dead, data, other = uvloop.run(scenario())
+    assert results[good] == (True, "") and results[data] == (True, "")
+    assert results[dead] == (False, "connection refused")
+    assert results[other] == (False, "another host answers there, not this peer")
+
+
+def test_a_peer_nobody_reaches_says_so_and_claims_no_layers(tiny_models):
+    """Alone (it dials itself) and beside a neighbour (which dials it back): one warning per
+    address, then one error line naming the address and the flag, before any benchmark or load."""
+    model = str(tiny_models["llama"].folder)
+    with peers_in_background(tiny_models["llama"], [(0, 2)]) as (peers, maddrs, loop):
+        runs = {
+            "alone": _peer_cli(model, "--new-swarm", "--announce-host", "127.0.0.2", "--layers", "0:2"),
+            "joined": _peer_cli(model, "--initial-peers", maddrs[0], "--announce-host", "127.0.0.2", "--layers", "2:4"),
+        }
+        outs = {name: proc.communicate(timeout=120) for name, proc in runs.items()}
+        records = loop.run(peers[0].swarm.lookup(peers[0].model))
+    for name, proc in runs.items():
+        stderr = outs[name][1]
+        assert proc.returncode != 0, stderr
+        last = stderr.strip().splitlines()[-1]
+        assert "error: no address this peer announces can be reached" in last and "127.0.0.2" in last, last
+        assert "--announce-host" in last and "claims no layers" in last and "Traceback" not in stderr
+        warnings = [line for line in stderr.splitlines() if "others cannot reach this peer at" in line]
+        assert len(warnings) == 2 and all("127.0.0.2" in w for w in warnings), stderr  # libp2p's and the direct one
+        assert "benchmark" not in stderr.lower() and "loading layers" not in stderr
+    assert "dialled from this host, as no other peer is known" in outs["alone"][1]
+    assert f"dialled back by peer {peers[0].swarm.peer_id}" in outs["joined"][1]
+    assert [r.peer_id for r in records] == [peers[0].swarm.peer_id]  # it never listed itself
+
+
+def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_path):
+    """A frozen peer (SIGSTOP: listed, connections open, nothing answers) shows in `swarm` as
+    unreachable with the reason, its layers as not served by reachable peers, and a client's
+    error names it."""
+    source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "chat")
+    model = str(source.folder)
+    with peers_in_background(source, [(0, 2)]) as (_, maddrs, _loop):
+        second = _peer_cli(model, "--initial-peers", maddrs[0], "--layers", "2:4")
+        try:
+            _wait_for_layers(maddrs, [[0, 2], [2, 4]])
+            os.kill(second.pid, signal.SIGSTOP)
+            shown = subprocess.run([*CLI, "swarm", "--initial-peers", maddrs[0], "--json"],
+                                   capture_output=True, text=True, timeout=120)
+            table = subprocess.run([*CLI, "swarm", "--initial-peers", maddrs[0]], capture_output=True, text=True, timeout=120)
+            infer = subprocess.run([*CLI, "infer", "--model", model, "--initial-peers", maddrs[0], "hi"],
+                                   capture_output=True, text=True, timeout=120)
+        finally:
+            os.kill(second.pid, signal.SIGKILL)
+            second.communicate()
+    (view,) = json.loads(shown.stdout)["models"]
+    frozen = [p for p in view["peers"] if p["layers"] == [2, 4]]
+    assert len(frozen) == 1 and frozen[0]["state"] == "unreachable" and frozen[0]["claimed_state"] == "online"
+    assert frozen[0]["unreachable"].startswith("no echo within"), frozen[0]
+    assert view["gaps"] == [[2, 4]] and view["unreachable_claims"] == [[2, 4]]
+    assert "unreachable" in table.stdout and "listed peers claim 2:4, but cannot be reached" in table.stdout, table.stdout
+    last = infer.stderr.strip().splitlines()[-1]
+    assert infer.returncode != 0 and "no peer serves layers 2:4" in last and frozen[0]["peer_id"] in last, infer.stderr
+
+
+async def _records(maddrs):
+    swarm = await join_swarm(maddrs, client_mode=True)
+    try:
+        (entry,) = await swarm.models()
+        return await swarm.lookup(entry.key)
+    finally:
+        await swarm.shutdown()
+
+
+def _wait_for_layers(maddrs, layers, timeout=120.0):
+    """Until peers serve (online, not just claim) exactly `layers`."""
+    deadline = time.monotonic() + timeout
+    while sorted([r.start, r.end] for r in uvloop.run(_records(maddrs)) if r.state == PeerState.ONLINE) != layers:
+        assert time.monotonic() < deadline, "the second peer never served its layers"
+        time.sleep(1)
+
+
+def test_a_route_error_names_the_peers_left_out():
+    records = [rec(0, 2, name="a"), rec(2, 4, name="b")]
+    with pytest.raises(RouteError, match=r"layers 2:4 of this model: peers claim them \(b\)"):
+        find_route(records, 4, banned={"b"})
+    with pytest.raises(RouteError, match=r"^no peer serves layers 2:4 of this model$"):
+        find_route(records[:1], 4)
+

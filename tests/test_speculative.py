@@ -1,0 +1,145 @@
+"""Speculative decoding: drafts looked up in the text, checked by the swarm in one step, the peers'
+caches cut back to what stood. Greedy text is transformers' own; sampled text keeps the model's
+distribution."""
+
+import pytest
+import torch
+import uvloop
+
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.generate.conversation import Conversation
+from p2pfusion.client.generate.draft import (
+    EXPLORE_EVERY,
+    Speculation,
+    accept_greedy,
+    accept_sampled,
+    best_drafts,
+    lookup,
+)
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import PeerRefused
+from tests.conftest import reference_model
+from tests.swarm import running_peers
+
+# a prompt that repeats itself: a random tiny model falls into loops the drafts then predict
+PROMPT = [3, 17, 42, 99, 5, 250, 7, 1, 3, 17, 42, 99]
+
+
+def test_lookup_takes_the_latest_longest_match():
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # "1 2 3" last seen before 7 8
+    assert lookup([5, 6, 4, 6], 3) == [4, 6]  # only "6" occurred before: what followed it
+    assert lookup([1, 2, 3], 4) == [] and lookup([1, 1], 0) == []
+    assert lookup([1, 2, 1, 2, 1], 5) == [2, 1]  # never past the text's end
+
+
+def test_the_number_of_drafts_follows_what_pays():
+    assert best_drafts(0.0, 0.1, 8) == 0  # nothing stands: plain steps
+    assert best_drafts(0.9, 0.05, 8) == 8  # nearly all stand and cost little: as many as allowed
+    assert best_drafts(0.9, 0.05, 3) == 3  # no more than were found
+    assert best_drafts(0.5, 1.0, 8) == 0  # each draft costs a whole step: never worth it
+    spec = Speculation()
+    text = [1, 2, 3, 4] * 4
+    assert spec.drafts(text, room=100) and spec.drafts(text, room=0) == []
+    spec.took(0, 0, 0.010)  # a plain step: 10 ms
+    for _ in range(20):  # drafts that never stand, each costing 5 ms
+        spec.took(2, 0, 0.020)
+    assert spec.drafts(text, room=100) == []  # drafting stopped paying
+    for _ in range(EXPLORE_EVERY):
+        spec.took(0, 0, 0.010)
+    assert len(spec.drafts(text, room=100)) == 1  # but it tries one now and then
+
+
+def test_greedy_acceptance():
+    assert accept_greedy([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accept_greedy([5, 6], [4, 6, 1]) == 0
+    assert accept_greedy([5, 6], [5, 6, 1]) == 2
+
+
+def test_sampled_acceptance_keeps_the_models_distribution():
+    """Each emitted token is distributed as the model says, whatever the drafts were."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor([[0.1, 0.6, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    drafts = [2, 3]
+    first = torch.zeros(4)
+    second = torch.zeros(4)  # the token after an accepted first draft
+    runs = 20_000
+    for _ in range(runs):
+        accepted, token = accept_sampled(drafts, probs, generator)
+        first[drafts[0] if accepted >= 1 else token] += 1
+        if accepted >= 1:
+            second[drafts[1] if accepted == 2 else token] += 1
+    torch.testing.assert_close(first / runs, probs[0], atol=0.015, rtol=0)
+    torch.testing.assert_close(second / second.sum(), probs[1], atol=0.02, rtol=0)
+
+
+async def _speculative(source, turns):
+    async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
+        swarm = await join_swarm(maddrs, client_mode=True)
+        try:
+            model = RemoteCausalLM.build(source, swarm, verify=0.0)
+            conversation = Conversation(model)
+            results = []
+            sequence = list(PROMPT)
+            for more in turns:
+                sequence += more
+                result = await conversation.generate(sequence, 24, decode=False)
+                results.append(result)
+                sequence += result.token_ids
+            spec = conversation.speculation
+            await conversation.close()
+            return results, (spec.sent, spec.stood)
+        finally:
+            await swarm.shutdown()
+
+
+def test_greedy_speculation_through_peers_is_transformers_text_and_cuts_the_caches(tiny_models):
+    """Drafts accepted and rejected over two turns of one session: the second turn's tokens are
+    transformers' for the whole sequence, so the peers' caches held exactly the accepted tokens."""
+    source = tiny_models["llama"]
+    (first, second), (sent, stood) = uvloop.run(_speculative(source, [[], [11, 12]]))
+    assert 0 < stood < sent  # some drafts stood, some fell (and left the caches)
+    assert first.steps < len(first.token_ids)  # fewer trips than tokens
+    ref = reference_model(source)
+    with torch.no_grad():
+        expected1 = ref.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False)[0, len(PROMPT):].tolist()
+        context = PROMPT + expected1 + [11, 12]
+        expected2 = ref.generate(torch.tensor([context]), max_new_tokens=24, do_sample=False)[0, len(context):].tolist()
+    assert first.token_ids == expected1
+    assert second.token_ids == expected2
+
+
+async def _sampled(source):
+    async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
+        swarm = await join_swarm(maddrs, client_mode=True)
+        try:
+            model = RemoteCausalLM.build(source, swarm, verify=0.0)
+            return await model.generate(PROMPT, 24, temperature=0.7, seed=3, decode=False)
+        finally:
+            await swarm.shutdown()
+
+
+def test_sampled_speculation_through_peers_generates(tiny_models):
+    result = uvloop.run(_sampled(tiny_models["llama"]))
+    assert len(result.token_ids) == 24 and result.steps is not None and result.steps <= 24
+
+
+async def _cut_on_sliding_window(source):
+    async with running_peers(source, [(0, 4)]) as (_, maddrs):
+        swarm = await join_swarm(maddrs, client_mode=True)
+        try:
+            model = RemoteCausalLM.build(source, swarm)
+            session = await model.open_session(16)
+            try:
+                await session.step(model.embed([3, 17, 42]))
+                session.keep(2)
+                with pytest.raises(PeerRefused, match="sliding-window cache, which cannot drop positions"):
+                    await session.step(model.embed([5]))
+            finally:
+                await session.close()
+            return model.speculates()
+        finally:
+            await swarm.shutdown()
+
+
+def test_sliding_window_layers_refuse_to_cut_and_clients_do_not_draft_for_them(tiny_models):
+    assert uvloop.run(_cut_on_sliding_window(tiny_models["mistral"])) is False
