@@ -74,7 +74,8 @@ async def _until_closed(peers) -> None:
 async def _served(source):
     async with running_peers(source, RANGES, metrics_port=0, client_sessions=PER_CLIENT) as (peers, maddrs):
         client = await join_swarm(maddrs, client_mode=True)
-        model = RemoteCausalLM.build(source, client, compression="none", verify=0.0)
+        # one token a step, so the counts below follow from the tokens generated
+        model = RemoteCausalLM.build(source, client, compression="none", verify=0.0, speculate="off")
         seen = {"idle": await _scrape(peers[0])}
         generated = [await model.generate(PROMPTS[0], NEW_TOKENS, stop_at_eos=False, decode=False)]
         generated += await asyncio.gather(*(

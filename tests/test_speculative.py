@@ -27,16 +27,19 @@ PROMPT = [3, 17, 42, 99, 5, 250, 7, 1, 3, 17, 42, 99]
 
 def test_lookup_takes_the_latest_longest_match():
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # "1 2 3" last seen before 7 8
-    assert lookup([5, 6, 4, 6], 3) == [4, 6]  # only "6" occurred before: what followed it
+    assert lookup([5, 6, 4, 6], 3, min_ngram=1) == [4, 6]  # only "6" occurred before: what followed it
+    assert lookup([5, 6, 4, 6], 3) == []  # one token in common is not enough by default
     assert lookup([1, 2, 3], 4) == [] and lookup([1, 1], 0) == []
     assert lookup([1, 2, 1, 2, 1], 5) == [2, 1]  # never past the text's end
 
 
 def test_the_number_of_drafts_follows_what_pays():
-    assert best_drafts(0.0, 0.1, 8) == 0  # nothing stands: plain steps
-    assert best_drafts(0.9, 0.05, 8) == 8  # nearly all stand and cost little: as many as allowed
-    assert best_drafts(0.9, 0.05, 3) == 3  # no more than were found
-    assert best_drafts(0.5, 1.0, 8) == 0  # each draft costs a whole step: never worth it
+    assert best_drafts(0.0, 0.9, 0.1, 8) == 0  # nothing stands: plain steps
+    assert best_drafts(0.9, 0.9, 0.05, 8) == 8  # nearly all stand and cost little: as many as allowed
+    assert best_drafts(0.9, 0.9, 0.05, 3) == 3  # no more than were found
+    assert best_drafts(0.5, 0.5, 1.0, 8) == 0  # each draft costs a whole step: never worth it
+    # a copy stands or falls in runs: with the same share standing overall, runs pay for more drafts
+    assert best_drafts(0.6, 0.95, 0.2, 8) > best_drafts(0.6, 0.6, 0.2, 8)
     spec = Speculation()
     text = [1, 2, 3, 4] * 4
     assert spec.drafts(text, room=100) and spec.drafts(text, room=0) == []
@@ -46,7 +49,14 @@ def test_the_number_of_drafts_follows_what_pays():
     assert spec.drafts(text, room=100) == []  # drafting stopped paying
     for _ in range(EXPLORE_EVERY):
         spec.took(0, 0, 0.010)
-    assert len(spec.drafts(text, room=100)) == 1  # but it tries one now and then
+    assert len(spec.drafts(text, room=100)) == 1  # but it tries one now and then...
+    spec.took(1, 0, 0.015)
+    for _ in range(EXPLORE_EVERY):
+        spec.took(0, 0, 0.010)
+    assert spec.drafts(text, room=100) == []  # ...less often after a try that fell
+    for _ in range(EXPLORE_EVERY):
+        spec.took(0, 0, 0.010)
+    assert len(spec.drafts(text, room=100)) == 1
 
 
 def test_greedy_acceptance():

@@ -214,8 +214,9 @@ class Conversation:
         if not drafts:
             return [], None, hidden
         model = self.model
-        if temperature <= 0:
-            choices = (await asyncio.to_thread(model.core.greedy_tokens, hidden))[0].tolist()
+        if temperature <= 0:  # asked together: the head answers them as one batch (generate/greedy.py)
+            positions = range(hidden.shape[1])
+            choices = await asyncio.gather(*(model.next_token(hidden[:, i:i + 1], 0.0, None) for i in positions))
             accepted = accept_greedy(drafts, choices)
             after = choices[accepted]
         else:

@@ -3,14 +3,15 @@
 A one-token step costs a whole trip around the route, so a client that sends k drafted tokens
 behind the last one (k+1 positions in one step) gets up to k+1 tokens for little more than one
 trip's time: the model's own choice at each position says which drafts stand. Drafts come from
-prompt lookup (`lookup`): the latest earlier place where the text's last n tokens occurred, and
-what followed it there; no second model. Text that repeats its context (a summary, a quote, an
+prompt lookup (`lookup`): the latest earlier place where the text's last n tokens (3, else 2)
+occurred, and what followed it there; no second model. Text that repeats its context (a summary, a quote, an
 edit of code) drafts well; free chat rarely does.
 
 `Speculation` decides k from what it measured in this session: the share of drafts accepted, and
 what each extra position adds to a step's time, seen from here (network, peers' compute, the
 client's head): it sends the k with the most tokens per second expected, and none when drafting
-does not pay, trying one draft now and then so that it notices when the text turns repetitive.
+does not pay, trying one draft now and then (less often each time one falls) so that it notices
+when the text turns repetitive.
 
 Which drafts stand: greedily, those equal to the model's choice at the position before (`accept_greedy`),
 so the text is the one plain greedy decoding gives. Sampled, the standard rule for a drafter that
@@ -27,11 +28,13 @@ from dataclasses import dataclass
 import torch
 
 MAX_NGRAM = 3  # the longest tail looked up
-MIN_NGRAM = 1
+MIN_NGRAM = 2  # one token in common is too weak a sign: such drafts stood rarely (docs/benchmarks.md)
 MAX_DRAFTS = 8  # drafts in one step at most
-EXPLORE_EVERY = 16  # steps without drafts after which one draft is tried anyway
-ACCEPT_PRIOR = (1.0, 1.0)  # (accepted, drafted) counted before any draft: a rate of one half...
-ACCEPT_DECAY = 0.9  # ...as old counts fade, so the rate follows the text
+EXPLORE_EVERY = 16  # steps without drafts after which one draft is tried anyway...
+EXPLORE_MAX = 128  # ...twice as many after each such try that fell, up to this many
+FIRST_PRIOR = (1.0, 2.0)  # (stood, tried) of first drafts counted before any: one half...
+REST_PRIOR = (3.0, 4.0)  # ...and of later ones, three quarters...
+ACCEPT_DECAY = 0.9  # ...as old counts fade, so the rates follow the text
 COST_PRIOR = 0.3  # an extra position's share of a one-token step's time, until measured
 EMA = 0.2
 
@@ -50,18 +53,21 @@ def lookup(tokens: Sequence[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram:
     return []
 
 
-def expected_tokens(rate: float, k: int) -> float:
-    """Tokens a step of k drafts yields on average (the model's own token included), when each
-    draft stands with probability `rate` given those before it stood."""
-    return float(sum(rate ** i for i in range(k + 1)))
+def expected_tokens(first: float, rest: float, k: int) -> float:
+    """Tokens a step of k drafts yields on average (the model's own token included), when the
+    first draft stands with probability `first`, and each later one with `rest` once those before
+    it stood (drafts copied from the text stand or fall in runs, so the two differ)."""
+    if k <= 0:
+        return 1.0
+    return 1.0 + first * float(sum(rest ** i for i in range(k)))
 
 
-def best_drafts(rate: float, extra: float, available: int, limit: int = MAX_DRAFTS) -> int:
+def best_drafts(first: float, rest: float, extra: float, available: int, limit: int = MAX_DRAFTS) -> int:
     """The number of drafts (0 to `available`, at most `limit`) with the most tokens per unit of
     time, a step of k drafts taking 1 + k * `extra` one-token steps."""
     best, best_k = 1.0, 0
     for k in range(1, min(available, limit) + 1):
-        speed = expected_tokens(rate, k) / (1.0 + k * extra)
+        speed = expected_tokens(first, rest, k) / (1.0 + k * extra)
         if speed > best * 1.0001:
             best, best_k = speed, k
     return best_k
@@ -69,20 +75,22 @@ def best_drafts(rate: float, extra: float, available: int, limit: int = MAX_DRAF
 
 @dataclass
 class Speculation:
-    """One session's drafting policy and what it has measured."""
+    """One session's drafting policy and what it has measured. Acceptance is counted as
+    (stood, tried) with old steps fading by ACCEPT_DECAY: for a step's first draft, and for the
+    later ones that were tried (those whose predecessor stood)."""
 
-    accepted: float = ACCEPT_PRIOR[0]
-    drafted: float = ACCEPT_PRIOR[1]
+    first: tuple[float, float] = FIRST_PRIOR
+    rest: tuple[float, float] = REST_PRIOR
     one_step: float | None = None  # seconds of a step without drafts, from here
     extra: float | None = None  # seconds each draft adds to a step
     since_draft: int = 0  # steps since the last that carried drafts
+    explore_gap: int = EXPLORE_EVERY  # steps without drafts before the next try
     steps: int = 0  # swarm steps the generation under way took (`Conversation` counts its prefill)
     sent: int = 0  # drafts sent in this session
     stood: int = 0  # and accepted
 
-    @property
-    def rate(self) -> float:
-        return self.accepted / self.drafted
+    def rates(self) -> tuple[float, float]:
+        return self.first[0] / self.first[1], self.rest[0] / self.rest[1]
 
     def drafts(self, sequence: Sequence[int], room: int) -> list[int]:
         """The drafts to send behind the last token of `sequence`, at most `room`."""
@@ -92,8 +100,8 @@ class Speculation:
         if not candidates:
             return []
         share = COST_PRIOR if self.extra is None or not self.one_step else self.extra / self.one_step
-        k = best_drafts(self.rate, share, len(candidates))
-        if k == 0 and self.since_draft >= EXPLORE_EVERY:
+        k = best_drafts(*self.rates(), share, len(candidates))
+        if k == 0 and self.since_draft >= self.explore_gap:
             k = 1
         return candidates[:k]
 
@@ -104,13 +112,22 @@ class Speculation:
             self.since_draft += 1
             self.one_step = seconds if self.one_step is None else (1 - EMA) * self.one_step + EMA * seconds
             return
+        explored = self.since_draft >= self.explore_gap
         self.since_draft = 0
+        if accepted:
+            self.explore_gap = EXPLORE_EVERY
+        elif explored:
+            self.explore_gap = min(2 * self.explore_gap, EXPLORE_MAX)
         self.sent, self.stood = self.sent + drafts, self.stood + accepted
-        self.accepted = ACCEPT_DECAY * self.accepted + accepted
-        self.drafted = ACCEPT_DECAY * self.drafted + drafts
+        self.first = _fade(self.first, accepted >= 1, 1)
+        self.rest = _fade(self.rest, max(accepted - 1, 0), min(accepted, drafts - 1))
         if self.one_step is not None:
             per = max(seconds - self.one_step, 0.0) / drafts
             self.extra = per if self.extra is None else (1 - EMA) * self.extra + EMA * per
+
+
+def _fade(count: tuple[float, float], stood: float, tried: float) -> tuple[float, float]:
+    return ACCEPT_DECAY * count[0] + stood, ACCEPT_DECAY * count[1] + tried
 
 
 def accept_greedy(drafts: Sequence[int], choices: Sequence[int]) -> int:
