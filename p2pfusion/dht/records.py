@@ -28,6 +28,7 @@ MAX_KEY_LENGTH = 128
 MAX_NAME_LENGTH = 200
 MAX_MADDRS = 8
 MAX_DATA_ADDRS = 8
+MAX_LINKS = 12  # round trips one peer record lists
 MAX_ADDRESS = 256  # characters of one multiaddr or host:port
 MAX_COUNT = 1 << 53  # any load figure past it is no figure a peer could hold (and not exact as a float)
 MAX_FORMAT_NAME = 16
@@ -75,6 +76,14 @@ def _read(kind: type, value: Any):
 
 
 @dataclass(frozen=True)
+class PeerLink:
+    """A round trip (seconds) a peer measured to another: clients price the hop between them by it."""
+
+    peer_id: PeerId
+    rtt: Rate
+
+
+@dataclass(frozen=True)
 class PeerRecord:
     model: ModelKey
     peer_id: PeerId
@@ -105,6 +114,8 @@ class PeerRecord:
     # the training run whose replica it is (peer/replica.py): it serves that run's micro-batches
     # only, so inference routing and balancing never count it; None: a serving peer
     train_run: RunName | None = None
+    # round trips to the peers of the stages next to its own, as it measured them (peer/upkeep.py)
+    links: Annotated[list[PeerLink], Length(MAX_LINKS)] = field(default_factory=list)
 
     def check(self) -> None:
         if self.compute_rate <= 0:

@@ -8,6 +8,8 @@
   moves to close a gap in coverage that nobody else closes; a peer kept warm stops spinning while
   another peer serves from its machine.
 - Report (every minute): one INFO line for the peer's operator on what it served lately.
+- Links (every 30 s): measure the round trips to the peers of the stages next to its own and
+  announce them (`PeerRecord.links`), so clients price the hop between two peers (client/route/planner.py).
 - Heal (every 15 s): ping the known peers that the DHT's routing table lost (`SwarmNode.heal`),
   so that a node whose table emptied (after a flood, say) does not stay cut off from the swarm.
 - Rebalance (every couple of minutes, with random jitter so peers do not all move at once): move
@@ -22,7 +24,7 @@ import logging
 import random
 import time
 
-from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.dht.records import MAX_LINKS, PeerLink, PeerRecord, PeerState
 from p2pfusion.peer.backup import (
     PROMOTION_STAGGER,
     lost_servers,
@@ -44,6 +46,7 @@ GAP_JITTER = 3.0  # seconds; spreads the peers that would close the same gap
 HEAL_PERIOD = 15.0
 LOAD_PERIOD = 1.0
 EARLY_GAP = 2.0  # seconds between announcements made early for a change of load
+LINKS_PERIOD = 30.0  # seconds between measurements of the links to the next stages' peers (LinkBook keeps each 10 min)
 
 
 def holding(server: StageServer) -> dict[str, int]:
@@ -86,6 +89,7 @@ class Upkeep:
             (self.report, options.report_period, 0.0),
             (self.peer.swarm.heal, HEAL_PERIOD, 0.2),
             (self.announce_load, LOAD_PERIOD, 0.0),
+            (self.measure_links, LINKS_PERIOD, 0.2),
         )]
         return self
 
@@ -111,6 +115,21 @@ class Upkeep:
         self._tokens, self._tick = server.tokens_done, now
         load = LOAD_EMA * self.peer.record.load + (1 - LOAD_EMA) * rate
         await self.peer.announce(load=load, **holding(server))
+
+    async def measure_links(self) -> None:
+        """Measure the round trips to the peers of the stages next to this one (those a route
+        joins to it) and announce them, so clients price the hops between peers they cannot ping."""
+        records, gone = await self.peer.live_records()
+        own = self.peer.record
+        near = [r for r in records if r.peer_id not in gone and r.peer_id != own.peer_id
+                and r.state != PeerState.OFFLINE and (r.end == own.start or r.start == own.end)]
+        links = []
+        for record in near[:MAX_LINKS]:
+            link = await self.peer.links.get(record.peer_id, record.data_addrs)
+            if link is not None:
+                links.append(PeerLink(record.peer_id, link.rtt))
+        if links != own.links:
+            await self.peer.announce(links=links)
 
     async def announce_load(self) -> None:
         now = holding(self.peer.server)

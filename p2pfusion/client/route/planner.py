@@ -75,7 +75,7 @@ def refused_only(
     return ranges, sorted({r.weights for r in online if r.peer_id not in kept})
 
 
-HOP_SECONDS = 0.003  # a hop's cost per token (a network round) where this client has not timed it
+HOP_SECONDS = 0.003  # a round trip to a peer, or between two, where nobody measured it
 UNOBSERVED_CAP = 4.0  # a peer never observed is expected at most this many times the best one observed
 
 
@@ -137,12 +137,13 @@ def find_route(
     """The chain of peers with the least expected time per token from layer `first` (the layers
     before it run on the client) to the last, online peers before backups.
 
-    A token's time through a route is the sum of its hops' times: each hop's 1/throughput (as
-    `expected_throughput` sees it), the time its load costs (`load_seconds`, for a session of
-    `batch` x `length` positions, with `own` the sessions this client holds through each peer),
-    plus its network round, the client's own ping time to it (`rtts`) or HOP_SECONDS. A hop
-    starts at the exact layer where the previous one ended, since a peer's cache holds its whole
-    range.
+    A token's time through a route is its trip around it plus each hop's work: the client's own
+    one-way time to the first hop and back from the last (half its ping, `rtts`), the one-way time
+    between consecutive hops (`link_seconds`), and at each hop 1/throughput (as
+    `expected_throughput` sees it) and what its load costs (`load_seconds`, for a session of
+    `batch` x `length` positions, with `own` the sessions this client holds through each peer).
+    A hop starts at the exact layer where the previous one ended, since a peer's cache holds its
+    whole range.
     """
     candidates = [r for r in usable(records, banned, backups=backups, length=length) if r.end <= num_layers]
     gaps = missing_layers(candidates, num_layers, first)
@@ -152,21 +153,44 @@ def find_route(
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model{_left_out(records, banned, gaps)}")
     observed, rtts, own = observed or {}, rtts or {}, own or {}
     best_rate = max(observed.values(), default=None)
-    # best[layer] = (backups, seconds per token, route) of the best route from `layer` to the end
-    best: dict[int, tuple[int, float, list[PeerRecord]]] = {num_layers: (0, 0.0, [])}
-    for layer in range(num_layers - 1, first - 1, -1):
-        for r in candidates:
-            if r.start != layer or r.end not in best:
+    # best[peer id] = (backups, seconds per token, route) of the best route from `first` to the end of that peer
+    best: dict[str, tuple[int, float, list[PeerRecord]]] = {}
+    ending: dict[int, list[PeerRecord]] = {}
+    for r in sorted(candidates, key=lambda r: r.start):
+        step = 1.0 / max(expected_throughput(r, observed, best_rate), 1e-9)
+        work = step + load_seconds(r, step, batch * length, own.get(r.peer_id, 0))
+        spare = int(r.state == PeerState.BACKUP)
+        if r.start == first:
+            choice = (spare, rtts.get(r.peer_id, HOP_SECONDS) / 2 + work, [r])
+        else:
+            before = [
+                (best[p.peer_id][0] + spare, best[p.peer_id][1] + link_seconds(p, r, rtts) + work, best[p.peer_id][2] + [r])
+                for p in ending.get(r.start, ())
+            ]
+            if not before:
                 continue
-            spares, seconds, rest = best[r.end]
-            step = 1.0 / max(expected_throughput(r, observed, best_rate), 1e-9)
-            hop = rtts.get(r.peer_id, HOP_SECONDS) + step + load_seconds(r, step, batch * length, own.get(r.peer_id, 0))
-            candidate = (spares + (r.state == PeerState.BACKUP), seconds + hop, [r] + rest)
-            if layer not in best or candidate[:2] < best[layer][:2]:
-                best[layer] = candidate
-    if first not in best:
+            choice = min(before, key=lambda c: c[:2])
+        best[r.peer_id] = choice
+        ending.setdefault(r.end, []).append(r)
+    finished = [
+        (spares, seconds + rtts.get(r.peer_id, HOP_SECONDS) / 2, route)
+        for r in ending.get(num_layers, ()) for spares, seconds, route in [best[r.peer_id]]
+    ]
+    if not finished:
         raise RouteError(f"online peers cover every layer, but their ranges do not chain from layer {first} to the end")
-    return best[first][2]
+    return min(finished, key=lambda c: c[:2])[2]
+
+
+def link_seconds(a: PeerRecord, b: PeerRecord, rtts: Mapping[str, float]) -> float:
+    """One-way seconds from hop `a` to hop `b`: half the round trip the two peers measured between
+    them, the larger of their two words (one lying low cannot draw routes without the other's), and
+    never less than this client's own pings allow (a round trip differs from the client's to either
+    end by no more than the link itself); HOP_SECONDS where neither measured it."""
+    claims = [link.rtt for link in a.links if link.peer_id == b.peer_id]
+    claims += [link.rtt for link in b.links if link.peer_id == a.peer_id]
+    to_a, to_b = rtts.get(a.peer_id), rtts.get(b.peer_id)
+    floor = abs(to_a - to_b) if to_a is not None and to_b is not None else 0.0
+    return max(max(claims, default=HOP_SECONDS), floor) / 2
 
 
 def _left_out(records: list[PeerRecord], banned: Collection[str], gaps: list[tuple[int, int]]) -> str:
