@@ -28,7 +28,7 @@ MAX_KEY_LENGTH = 128
 MAX_NAME_LENGTH = 200
 MAX_MADDRS = 8
 MAX_DATA_ADDRS = 8
-MAX_LINKS = 12  # round trips one peer record lists
+MAX_PEER_LINKS = 12  # round trips one peer record lists
 MAX_ADDRESS = 256  # characters of one multiaddr or host:port
 MAX_COUNT = 1 << 53  # any load figure past it is no figure a peer could hold (and not exact as a float)
 MAX_FORMAT_NAME = 16
@@ -115,7 +115,7 @@ class PeerRecord:
     # only, so inference routing and balancing never count it; None: a serving peer
     train_run: RunName | None = None
     # round trips to the peers of the stages next to its own, as it measured them (peer/upkeep.py)
-    links: Annotated[list[PeerLink], Length(MAX_LINKS)] = field(default_factory=list)
+    links: Annotated[list[PeerLink], Length(MAX_PEER_LINKS)] = field(default_factory=list)
 
     def check(self) -> None:
         if self.compute_rate <= 0:

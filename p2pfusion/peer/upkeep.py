@@ -24,7 +24,7 @@ import logging
 import random
 import time
 
-from p2pfusion.dht.records import MAX_LINKS, PeerLink, PeerRecord, PeerState
+from p2pfusion.dht.records import MAX_PEER_LINKS, PeerLink, PeerRecord, PeerState
 from p2pfusion.peer.backup import (
     PROMOTION_STAGGER,
     lost_servers,
@@ -124,7 +124,7 @@ class Upkeep:
         near = [r for r in records if r.peer_id not in gone and r.peer_id != own.peer_id
                 and r.state != PeerState.OFFLINE and (r.end == own.start or r.start == own.end)]
         links = []
-        for record in near[:MAX_LINKS]:
+        for record in near[:MAX_PEER_LINKS]:
             link = await self.peer.links.get(record.peer_id, record.data_addrs)
             if link is not None:
                 links.append(PeerLink(record.peer_id, link.rtt))
