@@ -179,7 +179,9 @@ class Conversation:
                     if cached:
                         continue
                     room = total - len(input_ids) - len(out) - 1  # drafts past the last token allowed are wasted
-                    drafts = [] if spec is None else spec.drafts(input_ids + out, room)
+                    # beside other sessions the peers' compute is shared: a draft's positions would
+                    # take it from their tokens (docs/benchmarks.md), so only a lone session drafts
+                    drafts = [] if spec is None or not member.alone else spec.drafts(input_ids + out, room)
                     began = time.perf_counter()
                     hidden = await self._step(model.embed([token, *drafts]))
                     self.tokens.append(token)

@@ -100,6 +100,11 @@ class Member:
         """Wait until this session's cohort takes its next step (at once when alone)."""
         await self._lockstep.turn(self)
 
+    @property
+    def alone(self) -> bool:
+        """Whether no other session of this client decodes on this loop now."""
+        return self._lockstep.decoding(asyncio.get_running_loop()) <= 1
+
 
 class Lockstep:
     def __init__(self, cohorts: int = COHORTS):
@@ -117,6 +122,10 @@ class Lockstep:
             yield member
         finally:
             self._leave(member)
+
+    def decoding(self, loop: asyncio.AbstractEventLoop) -> int:
+        """Sessions decoding on `loop`, in every cohort of every kind."""
+        return sum(len(c.members) for (owner, _), cohorts in self._cohorts.items() if owner is loop for c in cohorts)
 
     async def turn(self, member: Member) -> None:
         loop = asyncio.get_running_loop()
