@@ -260,9 +260,12 @@ class Peer:
         for maddr in transport.initial_peers:  # those it joined through: peers of other models answer too
             if "/p2p/" in maddr:
                 neighbours.append((maddr.rsplit("/p2p/", 1)[1], []))
-        own = self.swarm.peer_id
-        neighbours = [n for i, n in enumerate(neighbours) if n[0] != own and n[0] not in {m[0] for m in neighbours[:i]}]
-        found = await reach.check(transport, neighbours, await self.swarm.maddrs(), transport.data_addrs)
+        seen, unique = {self.swarm.peer_id}, []
+        for peer_id, addrs in neighbours:
+            if peer_id not in seen:
+                seen.add(peer_id)
+                unique.append((peer_id, addrs))
+        found = await reach.check(transport, unique, await self.swarm.maddrs(), transport.data_addrs)
         announced = self.options.announce_host
         fix = (
             f"Is {announced} (--announce-host) this host's address, and is the port open to other hosts?"

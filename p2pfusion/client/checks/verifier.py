@@ -236,20 +236,20 @@ class Verifier:
         if self._running is not None and self._running_end > length:
             await self._stop_check()
         self.session.keep(length)
-        self.outputs = cut(self.outputs, length)
-        self.routes = self.routes[:len(self.outputs)]
-        self.computed_by = self.computed_by[:len(self.outputs)]
-        self.checked = min(self.checked, length)
+        self._cut(length)
 
     async def rewind(self, length: int) -> None:
         """Forget the outputs past `length` positions, with the session's inputs."""
         await self._stop_check()
         await self.session.rewind(length)
+        self._cut(length)
+        await self._drop_shadow()
+
+    def _cut(self, length: int) -> None:
         self.outputs = cut(self.outputs, length)
         self.routes = self.routes[:len(self.outputs)]
         self.computed_by = self.computed_by[:len(self.outputs)]
         self.checked = min(self.checked, length)
-        await self._drop_shadow()
 
     async def close(self) -> None:
         await self._stop_check()

@@ -22,6 +22,7 @@ Each token then has exactly the model's distribution.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,15 +42,19 @@ EMA = 0.2
 
 def lookup(tokens: Sequence[int], k: int, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> list[int]:
     """Up to `k` tokens that followed the latest earlier occurrence of the last n tokens of
-    `tokens`, for the longest n from `max_ngram` down to `min_ngram` that occurred before."""
-    if k <= 0:
+    `tokens`, for the longest n from `max_ngram` down to `min_ngram` that occurred before. It runs
+    before every step, so the search is bytes.rfind's, over the ids as 4-byte words."""
+    if k <= 0 or len(tokens) < 2:
         return []
-    tokens = list(tokens)
-    for n in range(min(max_ngram, len(tokens) - 1), min_ngram - 1, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
+    data = array("I", tokens).tobytes()
+    last = len(tokens) - 1
+    for n in range(min(max_ngram, last), min_ngram - 1, -1):
+        tail, end = data[-4 * n:], 4 * last  # a match must end before the text's last token
+        while (found := data.rfind(tail, 0, end)) >= 0:
+            if found % 4 == 0:  # on a token's boundary, not across two
+                start = found // 4 + n
+                return list(tokens[start:start + k])
+            end = found + 4 * n - 1
     return []
 
 

@@ -271,17 +271,19 @@ class ResilientSession:
     def keep(self, length: int) -> None:
         """Forget the positions past `length` on this route too (a speculative step's rejected
         drafts): the hops drop them from their caches with the next step, and a replay leaves them out."""
-        kept = cut([hidden for hidden, _ in self.history], length)
-        self.history = [(h, None if p is None else p[:, :h.shape[1]]) for h, (_, p) in zip(kept, self.history)]
+        self._cut_history(length)
         if self.session is not None:
             self.session.keep(length)
 
     async def rewind(self, length: int) -> None:
         """Forget every step past the first `length` positions: the next step opens a new route and
         replays the kept history (a verifier found the later outputs wrong)."""
+        self._cut_history(length)
+        await self.drop()
+
+    def _cut_history(self, length: int) -> None:
         kept = cut([hidden for hidden, _ in self.history], length)
         self.history = [(h, None if p is None else p[:, :h.shape[1]]) for h, (_, p) in zip(kept, self.history)]
-        await self.drop()
 
     @property
     def position(self) -> int:
