@@ -39,7 +39,7 @@ class Generated:
     recoveries: int = 0  # times the session moved around a failed peer
     rewinds: int = 0  # times verification caught wrong results and the generation went back
     token_times: list[float] = field(default_factory=list)  # seconds from the call's start to each token
-    steps: int | None = None  # swarm steps the new tokens took, when drafts were sent (speculative decoding)
+    steps: int | None = None  # swarm steps the new tokens took, prefill included, when drafting was on (speculative decoding)
 
     @property
     def latencies(self) -> list[float]:
@@ -185,9 +185,10 @@ class Conversation:
                     began = time.perf_counter()
                     hidden = await self._step(model.embed([token, *drafts]))
                     self.tokens.append(token)
-                    if spec is not None:
-                        queued, after, hidden = await self._judge(drafts, hidden, temperature, generator, top_p)
+                    if drafts:  # `hidden` is not read again: the next token is chosen here, the step after computes anew
+                        queued, after = await self._judge(drafts, hidden, temperature, generator, top_p)
                         self.tokens += queued
+                    if spec is not None:
                         spec.took(len(drafts), len(queued), time.perf_counter() - began)
             t2 = time.perf_counter()
         except BaseException:
@@ -204,17 +205,14 @@ class Conversation:
             return None
         if self.speculation is None:
             self.speculation = Speculation()
-        self.speculation.steps = 1  # the prefill, which chose the first token
+        self.speculation.begin()
         return self.speculation
 
     async def _judge(
         self, drafts: list[int], hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float
-    ) -> tuple[list[int], int | None, torch.Tensor]:
-        """The drafts that stand after a step of [token, *drafts], the token chosen after them
-        (None: the next `next_token` chooses it from the returned state), and the state the
-        generation goes on from; the positions of the drafts that fell leave the caches."""
-        if not drafts:
-            return [], None, hidden
+    ) -> tuple[list[int], int]:
+        """The drafts that stand after a step of [token, *drafts] whose final states are `hidden`,
+        and the token chosen after them; the positions of the drafts that fell leave the caches."""
         model = self.model
         if temperature <= 0:  # asked together: the head answers them as one batch (generate/greedy.py)
             positions = range(hidden.shape[1])
@@ -227,7 +225,7 @@ class Conversation:
         fell = len(drafts) - accepted
         if fell:
             await self._keep(self.session.position - fell)
-        return drafts[:accepted], after, hidden[:, accepted:accepted + 1]
+        return drafts[:accepted], after
 
     async def _keep(self, length: int) -> None:
         """Drop the positions past `length` from every cache of the session (rejected drafts)."""

@@ -90,12 +90,16 @@ class Speculation:
     extra: float | None = None  # seconds each draft adds to a step
     since_draft: int = 0  # steps since the last that carried drafts
     explore_gap: int = EXPLORE_EVERY  # steps without drafts before the next try
-    steps: int = 0  # swarm steps the generation under way took (`Conversation` counts its prefill)
+    steps: int = 0  # swarm steps the generation under way took, its prefill included
     sent: int = 0  # drafts sent in this session
     stood: int = 0  # and accepted
 
     def rates(self) -> tuple[float, float]:
         return self.first[0] / self.first[1], self.rest[0] / self.rest[1]
+
+    def begin(self) -> None:
+        """A generation starts: its prefill, which chose its first token, is its first step."""
+        self.steps = 1
 
     def drafts(self, sequence: Sequence[int], room: int) -> list[int]:
         """The drafts to send behind the last token of `sequence`, at most `room`."""
