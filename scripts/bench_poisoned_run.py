@@ -46,13 +46,13 @@ LAYERS = 6
 LR = 1e-3
 
 
-def small_model(folder: Path) -> Path:
-    """The default model cut to its first LAYERS layers (its embeddings, final norm and head kept):
-    a language model that training those layers improves quickly."""
+def small_model(folder: Path, layers: int = LAYERS) -> Path:
+    """The default model cut to its first `layers` layers (its embeddings, final norm and head
+    kept): a language model that training those layers improves quickly, or a draft model."""
     default = resolve_model(None)
     model = AutoModelForCausalLM.from_pretrained(default.folder, dtype=torch.float32)
-    model.model.layers = model.model.layers[:LAYERS]
-    model.config.num_hidden_layers = LAYERS
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
     model.save_pretrained(folder)
     AutoTokenizer.from_pretrained(default.folder).save_pretrained(folder)
     return folder

@@ -1,6 +1,8 @@
 """Routes that respect geography (client/route/planner.py, pure): a hop between two peers is priced
 by the round trip they measured and announced, so the route picked is the fastest around the
-trip client -> stages -> client, within 1.1x of the best in at least 19 of 20 random layouts."""
+trip client -> stages -> client, within 1.1x of the best in at least 19 of 20 random layouts. And
+claims that respect it (peer/geography.py, peer/balance.py): a joining peer takes the stage that
+shortens routes near it, when that costs the swarm's throughput next to nothing."""
 
 import itertools
 import random
@@ -10,6 +12,8 @@ import uvloop
 
 from p2pfusion.client.route.planner import find_route, link_seconds
 from p2pfusion.dht.records import PeerLink
+from p2pfusion.peer.balance import GEO_SLACK, Capacity, bottleneck, choose_range, layer_throughputs
+from p2pfusion.peer.geography import local_trip
 from p2pfusion.peer.upkeep import Upkeep
 from tests.policy_records import rec
 from tests.swarm import running_peers
@@ -70,6 +74,56 @@ def test_a_peer_lying_low_about_a_link_draws_no_route_its_neighbour_denies():
 def test_unmeasured_links_cost_the_default_and_routes_stay_as_they_were():
     records = [rec(0, 2, name="a"), rec(2, 4, name="b"), rec(0, 4, throughput=0.25, name="slow")]
     assert [r.peer_id for r in find_route(records, 4)] == ["a", "b"]
+
+
+def joined(seed: int, peers: int, geography: bool):
+    """Peers of similar speed (45-55 tokens/s, room for one stage) join one by one in random
+    regions; with `geography`, each knows its round trips to those before it, whose records list
+    theirs to each other. The records at the end, and the regions."""
+    rng = random.Random(seed)
+    regions, placed = {}, []
+    for i in range(peers):
+        region, rate, name = rng.randrange(3), rng.uniform(45, 55), f"p{i}"
+        records = [
+            rec(a, b, throughput=t, name=n, links=[PeerLink(m, round_trip(regions[n], regions[m])) for m, *_ in placed if m != n])
+            for n, a, b, t in placed
+        ]
+        near = {r.peer_id: round_trip(region, regions[r.peer_id]) for r in records} if geography else None
+        start, end = choose_range(records, 30, Capacity(rate * 10, None, 10), near)
+        regions[name] = region
+        placed.append((name, start, end, rate))
+    return [rec(a, b, throughput=t, name=n) for n, a, b, t in placed], regions
+
+
+def best_trip(records, regions) -> float:
+    """The best route's one-way trip, for a client in each region in turn, on average."""
+    by_stage = [[r for r in records if (r.start, r.end) == stage] for stage in STAGES]
+    return sum(
+        min(true_seconds(route, regions, client) - len(route) / THROUGHPUT for route in itertools.product(*by_stage))
+        for client in range(3)
+    ) / 3
+
+
+def test_claims_near_their_region_shorten_routes_and_keep_the_throughput():
+    for peers in (6, 9):
+        trips, bottlenecks = [], []
+        for seed in range(20):
+            runs = [joined(seed, peers, geography) for geography in (False, True)]
+            trips.append([best_trip(*run) for run in runs])
+            bottlenecks.append([bottleneck(records, 30) for records, _ in runs])
+            assert min(layer_throughputs(runs[1][0], 30)) > 0
+        assert sum(t[1] for t in trips) < 0.9 * sum(t[0] for t in trips)  # routes a tenth shorter at least
+        assert sum(b[1] for b in bottlenecks) >= (1 - GEO_SLACK / 4) * sum(b[0] for b in bottlenecks)
+
+
+def test_the_local_trip_goes_through_the_peers_this_one_measured():
+    # a (0:10) and c (20:30) are beside the newcomer; b (10:20) is 100 ms from both them and it
+    records = [rec(0, 10, name="a", links=[PeerLink("b", 0.1)]), rec(10, 20, name="b"), rec(20, 30, name="c", links=[PeerLink("b", 0.1)])]
+    near = {"a": 0.001, "b": 0.1, "c": 0.001}
+    assert local_trip(records, 30, near, 10, 20) == pytest.approx(0.004)  # a -> here -> c
+    assert local_trip(records, 30, near, 0, 10) == pytest.approx(0.201)  # here -> b -> c -> client
+    assert choose_range(records, 30, Capacity(10.0, None, 10), near) == (10, 20)
+    assert local_trip(records[:2], 30, near, 0, 10) == float("inf")  # nobody serves 20:30
 
 
 async def _measured(source):

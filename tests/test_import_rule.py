@@ -1,7 +1,7 @@
 """The package's import rule (docs/architecture.md, Package layout), read from the source with `ast`:
 `models/` and `net/` import no other p2pfusion package but `errors`, `dht/` builds on `net/`, and
 `peer/` and `client/` build on those three and never import each other, `api/` builds on `client/`
-(never `peer/`). Only `cli/` imports both. Inside `client/`, each room imports only the rooms
+(never `peer/`). Only `cli/` and `sim/` import both. Inside `client/`, each room imports only the rooms
 below it (`ROOMS`), and no module of the package imports itself back through others."""
 
 import ast

@@ -5,6 +5,7 @@ distribution."""
 import pytest
 import torch
 import uvloop
+from transformers import LlamaConfig
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.conversation import Conversation
@@ -16,8 +17,10 @@ from p2pfusion.client.generate.draft import (
     best_drafts,
     lookup,
 )
+from p2pfusion.client.generate.draft_model import DraftModel
+from p2pfusion.client.options import ClientOptions
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.errors import PeerRefused
+from p2pfusion.errors import ModelError, PeerRefused, RequestError
 from tests.conftest import reference_model
 from tests.swarm import running_peers
 
@@ -42,8 +45,9 @@ def test_the_number_of_drafts_follows_what_pays():
     assert best_drafts(0.6, 0.95, 0.2, 8) > best_drafts(0.6, 0.6, 0.2, 8)
     spec = Speculation()
     text = [1, 2, 3, 4] * 4
-    assert spec.drafts(text, room=100) and spec.drafts(text, room=0) == []
+    assert spec.drafts(text, room=100) == []  # no drafts before a plain step was timed
     spec.took(0, 0, 0.010)  # a plain step: 10 ms
+    assert spec.drafts(text, room=100) and spec.drafts(text, room=0) == []
     for _ in range(20):  # drafts that never stand, each costing 5 ms
         spec.took(2, 0, 0.020)
     assert spec.drafts(text, room=100) == []  # drafting stopped paying
@@ -82,11 +86,11 @@ def test_sampled_acceptance_keeps_the_models_distribution():
     torch.testing.assert_close(second / second.sum(), probs[1], atol=0.02, rtol=0)
 
 
-async def _speculative(source, turns):
+async def _speculative(source, turns, **settings):
     async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
-            model = RemoteCausalLM.build(source, swarm, verify=0.0)
+            model = RemoteCausalLM.build(source, swarm, verify=0.0, **settings)
             conversation = Conversation(model)
             results = []
             sequence = list(PROMPT)
@@ -102,11 +106,10 @@ async def _speculative(source, turns):
             await swarm.shutdown()
 
 
-def test_greedy_speculation_through_peers_is_transformers_text_and_cuts_the_caches(tiny_models):
+def _greedy_two_turns(source, **settings):
     """Drafts accepted and rejected over two turns of one session: the second turn's tokens are
     transformers' for the whole sequence, so the peers' caches held exactly the accepted tokens."""
-    source = tiny_models["llama"]
-    (first, second), (sent, stood) = uvloop.run(_speculative(source, [[], [11, 12]]))
+    (first, second), (sent, stood) = uvloop.run(_speculative(source, [[], [11, 12]], **settings))
     assert 0 < stood < sent  # some drafts stood, some fell (and left the caches)
     assert first.steps < len(first.token_ids)  # fewer trips than tokens
     ref = reference_model(source)
@@ -116,6 +119,30 @@ def test_greedy_speculation_through_peers_is_transformers_text_and_cuts_the_cach
         expected2 = ref.generate(torch.tensor([context]), max_new_tokens=24, do_sample=False)[0, len(context):].tolist()
     assert first.token_ids == expected1
     assert second.token_ids == expected2
+
+
+def test_greedy_speculation_through_peers_is_transformers_text_and_cuts_the_caches(tiny_models):
+    _greedy_two_turns(tiny_models["llama"])
+
+
+def test_a_draft_model_drafts_for_any_text(tiny_models, tmp_path):
+    """A draft model that agrees with the target about half the time (its layers' weights off by
+    noise of 0.3 of their spread): drafts that stand and fall, the text still transformers' own."""
+    source = tiny_models["llama"]
+    draft = reference_model(source)
+    noise = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for weight in draft.model.layers.parameters():
+            weight.add_(torch.randn(weight.shape, generator=noise) * 0.3 * weight.std())
+    draft.save_pretrained(tmp_path / "draft")
+    _greedy_two_turns(source, draft_model=str(tmp_path / "draft"))
+
+
+def test_a_draft_model_needs_the_same_vocabulary(tiny_models):
+    with pytest.raises(ModelError, match="the draft model .* has 256 tokens, .* has 512: a draft model needs the same"):
+        DraftModel.load(str(tiny_models["llama"].folder), tiny_models["llama"], LlamaConfig(vocab_size=512))
+    with pytest.raises(RequestError, match="needs speculate"):
+        ClientOptions(draft_model="x", speculate="off")
 
 
 async def _sampled(source):

@@ -10,7 +10,6 @@ import sys
 import time
 from typing import TextIO
 
-from p2pfusion.client.core import connect
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.swarm_lm import SwarmLM
 from p2pfusion.client.generate.text import TextPieces
@@ -98,7 +97,7 @@ def client_options(args) -> ClientOptions:
     return ClientOptions(
         compression=args.compression, verify=args.verify, canaries=args.canaries, swarm_secret=args.swarm_secret,
         trusted_peers=args.trusted_peers, local_layers=args.local_layers, min_precision=args.min_precision,
-        speculate=args.speculate,
+        speculate=args.speculate, draft_model=args.draft_model,
     )
 
 
@@ -106,7 +105,7 @@ async def client_model(args) -> RemoteCausalLM:
     """The client (client/core.py) with its generation engine, and the user's adapter: the swarm
     joined while the model loads, so an unreachable swarm is said at once."""
     options = client_options(args)
-    model = RemoteCausalLM(await connect(args.initial_peers, args.model, options))
+    model = await RemoteCausalLM.connect(args.initial_peers, args.model, options)
     try:
         if args.adapter is not None:
             model.adapter = Adapter.load(args.adapter, model.config, model.source)

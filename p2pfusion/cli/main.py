@@ -21,6 +21,7 @@ from p2pfusion.cli.options import (
     INITIAL_PEERS,
     LOCAL_LAYERS,
     SPECULATE,
+    DRAFT_MODEL,
     PORT,
     PRIVACY,
     QUANTS,
@@ -101,6 +102,7 @@ def _generation_options(command: argparse.ArgumentParser, max_new_tokens: int, w
     command.add_argument("--trusted-peers", **TRUSTED_PEERS)
     command.add_argument("--local-layers", **LOCAL_LAYERS)
     command.add_argument("--speculate", **SPECULATE)
+    command.add_argument("--draft-model", **DRAFT_MODEL)
     precision_options(command)
 
 
@@ -274,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--trusted-peers", **TRUSTED_PEERS)
     api.add_argument("--local-layers", **LOCAL_LAYERS)
     api.add_argument("--speculate", **SPECULATE)
+    api.add_argument("--draft-model", **DRAFT_MODEL)
     precision_options(api)
 
     view = _command(sub, "swarm", "show a swarm's stages, peers and bottleneck")

@@ -186,6 +186,11 @@ SPECULATE = dict(
     help="send drafted tokens (looked up in the text so far) for the swarm to check in one step, when the "
     "model's layers allow it and drafting pays: the same text, in fewer trips around the route",
 )
+DRAFT_MODEL = dict(
+    metavar="PATH",
+    help="a small model with the model's tokenizer (folder, .gguf file or Hub id) that drafts the tokens for "
+    "--speculate, instead of looking them up in the text: drafts for any text, at its cost on this machine",
+)
 
 # models/formats.py's WeightFormat, from most to least precise, the two half-precision formats ranking
 # equal (named here: importing it would import torch)

@@ -7,9 +7,12 @@ host's address (`--announce-host`, fixed `--port`/`--data-port`). Every connecti
 crosses that host's relay and no other, so both planes (libp2p, which carries the DHT, and the
 direct TLS connections) and every pair of hosts see the matrix: each chunk, in each direction, is
 held for the one-way delay between the connecting host and this one (plus up to `jitter`, never
-reordered). The kernel's tbf (`HostNetwork(mbit=...)`) shapes the rate.
+reordered). The kernel's tbf (`HostNetwork(mbit=...)`) shapes the rate. Loss is emulated as TCP
+shows it to the application: a lost chunk (each with probability `loss`) arrives late, after a
+retransmission (Linux's least retransmission timeout, 200 ms, plus a round trip), and holds up
+what follows it.
 
-The matrix is a JSON file, {"one_way": {SOURCE_IP: seconds}, "default": seconds, "jitter": seconds},
+The matrix is a JSON file, {"one_way": {SOURCE_IP: seconds}, "default": seconds, "jitter": seconds, "loss": share},
 read again whenever it changes, so a benchmark can sweep delays without restarting the swarm.
 Run one relay as `python -m p2pfusion.cli.wan --host IP --ports P,Q --matrix FILE` inside the host.
 """
@@ -35,6 +38,7 @@ from p2pfusion.cli.local_swarm import LocalSwarm
 CHUNK = 64 << 10
 PEER_PORT = 31337  # each host's peer: libp2p here, direct TLS one above (hosts are namespaces: all alike)
 RELOAD_EVERY = 0.2  # seconds between looks at the matrix file
+RETRANSMIT_TIMEOUT = 0.2  # Linux's least RTO: what a lost segment costs beyond the round trip
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Matrix:
     one_way: dict[str, float] = field(default_factory=dict)
     default: float = 0.0
     jitter: float = 0.0
+    loss: float = 0.0
     _mtime: float = -1.0
     _looked: float = 0.0
 
@@ -54,7 +59,8 @@ class Matrix:
             self._looked = now
             self._reload()
         base = self.one_way.get(source, self.default)
-        return base + (rng.random() * self.jitter if self.jitter else 0.0)
+        late = RETRANSMIT_TIMEOUT + 2 * base if self.loss and rng.random() < self.loss else 0.0
+        return base + late + (rng.random() * self.jitter if self.jitter else 0.0)
 
     def _reload(self) -> None:
         try:
@@ -67,12 +73,15 @@ class Matrix:
         self._mtime = mtime
         self.one_way = {str(k): float(v) for k, v in data.get("one_way", {}).items()}
         self.default, self.jitter = float(data.get("default", 0.0)), float(data.get("jitter", 0.0))
+        self.loss = float(data.get("loss", 0.0))
 
 
-def write_matrix(path: Path, one_way: dict[str, float], default: float = 0.0, jitter: float = 0.0) -> None:
+def write_matrix(
+    path: Path, one_way: dict[str, float], default: float = 0.0, jitter: float = 0.0, loss: float = 0.0
+) -> None:
     """Write a relay's matrix at once (relays read it within RELOAD_EVERY)."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"one_way": one_way, "default": default, "jitter": jitter}))
+    tmp.write_text(json.dumps({"one_way": one_way, "default": default, "jitter": jitter, "loss": loss}))
     tmp.replace(path)
 
 
@@ -151,16 +160,22 @@ class WanSwarm:
     def matrix(self, i: int) -> Path:
         return self.workdir / f"matrix{i}.json"
 
-    def delays(self, one_way: Callable[[int, int], float], jitter: float = 0.0) -> None:
+    def delays(self, one_way: Callable[[int, int], float], jitter: float = 0.0, loss: float = 0.0) -> None:
         """Set every host's matrix: `one_way(region_a, region_b)` seconds from a host of region a
-        to one of region b (both ways alike)."""
+        to one of region b (both ways alike), `jitter` seconds more at most, `loss` of the chunks
+        retransmitted."""
         for i, region in enumerate(self.regions):
             sources = {self.net.host(j): one_way(other, region) for j, other in enumerate(self.regions) if j != i}
             sources[self.net.gateway] = one_way(self.client_region, region)
-            write_matrix(self.matrix(i), sources, jitter=jitter)
+            write_matrix(self.matrix(i), sources, jitter=jitter, loss=loss)
 
-    def start(self, ranges: list[tuple[int, int]], extra: list[str] | None = None) -> list[str]:
-        """A relay and a peer on each host (the first starts the swarm); the swarm's first addresses."""
+    def start(
+        self, ranges: list[tuple[int, int] | None], extra: list[str] | None = None,
+        each: list[list[str]] | None = None, one_by_one: bool = False,
+    ) -> list[str]:
+        """A relay and a peer on each host (the first starts the swarm), with `extra` arguments and
+        the host's own of `each`; a peer waits for the one before when `one_by_one` (peers that
+        choose their layers see those before them). The swarm's first addresses."""
         ports = [str(PEER_PORT), str(PEER_PORT + 1)]
         peers = []
         for i, layers in enumerate(ranges):
@@ -171,8 +186,9 @@ class WanSwarm:
                  "--ports", ",".join(ports), "--matrix", str(self.matrix(i))],
             ))
             args = ["--host", "127.0.0.1", "--announce-host", self.net.host(i), "--port", ports[0], "--data-port", ports[1]]
-            peers.append(self.swarm.launch(layers, [*args, *(extra or [])], prefix=self.net.prefix_of(i)))
-            if i == 0:
+            own = each[i] if each is not None else []
+            peers.append(self.swarm.launch(layers, [*args, *(extra or []), *own], prefix=self.net.prefix_of(i)))
+            if i == 0 or one_by_one:
                 self.swarm.wait_ready(peers[0])
         for proc in peers[1:]:
             self.swarm.wait_ready(proc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,9 @@ class ClientOptions:
     canaries: float = 0.0  # chance a generation is followed by a canary session (client/canary.py)
     # "auto": speculative decoding (client/generate/draft.py) where the layers can drop rejected drafts; "off"
     speculate: str = "auto"
+    # a small model with the same tokenizer that drafts for speculative decoding (client/generate/draft_model.py),
+    # as a folder, .gguf file or Hub id; None: drafts are looked up in the text
+    draft_model: str | None = None
 
     def __post_init__(self):
         read = {
@@ -53,6 +57,7 @@ class ClientOptions:
             "screen_head": _flag(self.screen_head, "screen_head"),
             "canaries": check_rate(self.canaries, "canaries"),
             "speculate": _choice(self.speculate, "speculate", ("auto", "off")),
+            "draft_model": _draft_model(self.draft_model, self.speculate),
         }
         for name, value in read.items():
             object.__setattr__(self, name, value)
@@ -109,3 +114,13 @@ def _flag(value: object, name: str) -> bool:
     if not isinstance(value, bool):
         raise RequestError(f"{name} is True or False, got {value!r}")
     return value
+
+
+def _draft_model(value: object, speculate: object) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, (str, Path)) or not str(value).strip():
+        raise RequestError("draft_model must be a model's folder, .gguf file or Hub id")
+    if speculate == "off":
+        raise RequestError("a draft model drafts for speculative decoding: it needs speculate \"auto\", not \"off\"")
+    return str(value)

@@ -130,6 +130,14 @@ class PeerRecord:
     def span(self) -> int:
         return self.end - self.start
 
+    def round_trip_with(self, other: PeerRecord) -> float | None:
+        """The round trip between this peer and `other` as their records claim it: the larger of
+        the two words (one lying low cannot draw traffic without the other's); None if neither
+        measured it."""
+        claims = [link.rtt for link in self.links if link.peer_id == other.peer_id]
+        claims += [link.rtt for link in other.links if link.peer_id == self.peer_id]
+        return max(claims, default=None)
+
     @property
     def throughput(self) -> float:
         return span_throughput(self.compute_rate, self.network_rate, self.span)

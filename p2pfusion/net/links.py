@@ -42,6 +42,11 @@ class LinkBook:
             task.add_done_callback(lambda _: self._pending.pop(peer_id, None))
         return await asyncio.shield(task)
 
+    def round_trips(self) -> dict[str, float]:
+        """The last round trip measured to each peer, in seconds: stale ones too, since where a
+        peer is changes far more slowly than how fast its link is."""
+        return {p: e[1].rtt for p, e in self._links.items() if e[1] is not None}
+
     async def _measure(self, peer_id: str, data_addrs: list[str]) -> LinkSpeed | None:
         try:
             link = await probe.measure_link(self.transport, peer_id, data_addrs, PROBE_BYTES, PROBE_TIMEOUT)

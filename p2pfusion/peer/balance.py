@@ -2,25 +2,36 @@
 
 The swarm's capacity at a layer is the summed throughput of the peers serving it; the swarm's
 *bottleneck* is the smallest of these. A peer serving `k` layers shares its compute among them,
-so serving more layers covers more but adds less to each (see `span_throughput`).
+so serving more layers covers more but adds less to each (see `span_throughput`). What routes
+carry is less where ranges do not chain (a route hands hidden states from one peer's last layer
+to the next peer's first): the maximum flow through the ranges (dht/flow.py).
 
-A joining peer picks the range that maximizes the sorted vector of per-layer throughputs
-lexicographically (leximin): first the bottleneck, then the next weakest layer, and so on. That
-raises the weakest stage first and spreads equal peers evenly. Ranges must chain with the
-existing stage boundaries, since a route hands hidden states from one peer's last layer to the
-next peer's first.
+A joining peer picks the range that adds most to that flow, then the one that maximizes the
+sorted vector of per-layer throughputs lexicographically (leximin): first the bottleneck, then
+the next weakest layer, and so on. That covers a swarm that carries nothing yet, raises the
+weakest stage first and spreads equal peers evenly. A range starts where a hop may and may end
+anywhere: the next joiner starts there. A peer that knows its round trips to others prefers,
+among ranges nearly as good (GEO_SLACK), the one that shortens routes near it most
+(peer/geography.py): routes then stay in one region (the FusionLLM seed groups devices by their
+links for the same reason).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from p2pfusion.dht.coverage import layer_throughputs, planned
+from p2pfusion.dht.flow import FlowRoom
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
+from p2pfusion.peer.geography import local_trip
 
 # Decimal places kept when comparing throughputs, so float noise does not decide a choice.
 PRECISION = 9
+# The share of the swarm's flow, and of each layer's throughput (sorted, each to each), a claim
+# may give up to shorten the routes near the peer: in simulated 3-region swarms routes came out a
+# fifth to a quarter shorter, the flow the same on average (docs/benchmarks.md)
+GEO_SLACK = 0.1
 
 
 @dataclass(frozen=True)
@@ -59,49 +70,63 @@ def _leximin(totals: list[float]) -> tuple[float, ...]:
     return tuple(sorted(round(t, PRECISION) for t in totals))
 
 
-def _boundaries(records: list[PeerRecord], num_layers: int) -> tuple[set[int], set[int]]:
-    """Layers where a hop may start (after someone's end) and where one may end (before someone's start)."""
+def _starts(records: list[PeerRecord], num_layers: int) -> set[int]:
+    """Layers where a hop may start: 0, after someone's end, and the first layer of each gap."""
     serving = [r for r in map(planned, records) if r.serving and r.end <= num_layers]
     covered = [t > 0 for t in layer_throughputs(serving, num_layers)]
     starts = {0} | {r.end for r in serving if r.end < num_layers}
-    ends = {num_layers} | {r.start for r in serving if r.start > 0}
-    for layer in range(num_layers):
-        if not covered[layer]:
-            # inside a gap, a hop may end anywhere: whoever fills the rest starts where it ended
-            ends.add(layer + 1)
-            if layer == 0 or covered[layer - 1]:
-                starts.add(layer)
-    return starts, ends
+    return starts | {layer for layer in range(num_layers) if not covered[layer] and (layer == 0 or covered[layer - 1])}
 
 
 def _candidates(records: list[PeerRecord], num_layers: int, max_layers: int) -> list[tuple[int, int]]:
-    starts, ends = _boundaries(records, num_layers)
-    spans = [(a, b) for a in sorted(starts) for b in sorted(ends) if 0 < b - a <= max_layers]
-    if spans:
-        return spans
-    # Nothing chains within this peer's memory: start after a boundary and let others chain after it.
-    return [(a, min(a + max_layers, num_layers)) for a in sorted(starts)]
+    """Ranges that start where a hop may start and hold up to `max_layers`. They may end anywhere:
+    a range that ends where nobody starts yet is where the next joiner starts (requiring ends
+    that someone already starts at let early peers with much memory and little speed fix the
+    stages for good: a simulated fleet then reached a tenth of its best placement)."""
+    starts = _starts(records, num_layers)
+    return sorted({(a, min(a + k, num_layers)) for a in starts for k in range(1, max_layers + 1)})
 
 
-def _score(totals: list[float], start: int, end: int, added: float, boundaries: set[int]):
+def _score(totals: list[float], start: int, end: int, added: float, boundaries: set[int], room: FlowRoom):
     after = list(totals)
     for layer in range(start, end):
         after[layer] += added
     aligned = (start in boundaries) + (end in boundaries)
-    return _leximin(after), aligned, -start
+    return round(room.gain(start, end, added), PRECISION), _leximin(after), aligned, -start
 
 
-def choose_range(records: list[PeerRecord], num_layers: int, me: Capacity) -> tuple[int, int]:
-    """The contiguous range that most raises the swarm's per-layer throughputs (leximin)."""
+def choose_range(
+    records: list[PeerRecord], num_layers: int, me: Capacity, near: Mapping[str, float] | None = None
+) -> tuple[int, int]:
+    """The contiguous range that most raises what the swarm carries (its flow, dht/flow.py), then
+    its per-layer throughputs (leximin). Given `near` (this peer's round trips to other peers, by
+    peer id), the range that puts it on the shortest route for a client beside it
+    (peer/geography.py) wins over the best if the swarm's flow with it, and its sorted throughputs
+    each to each, come within GEO_SLACK of the best's: it serves every layer, and leaves no stage
+    weaker for the peers that join later."""
     if num_layers < 1 or me.max_layers < 1:
         raise ValueError("num_layers and max_layers must be positive")
     totals = layer_throughputs(records, num_layers)
     bounds = {0, num_layers} | {x for r in map(planned, records) if r.serving for x in (r.start, r.end)}
-    best = max(
-        _candidates(records, num_layers, me.max_layers),
-        key=lambda ab: _score(totals, ab[0], ab[1], me.throughput(ab[1] - ab[0]), bounds),
-    )
-    return best
+    room = FlowRoom(records, num_layers)
+    scores = {
+        ab: _score(totals, ab[0], ab[1], me.throughput(ab[1] - ab[0]), bounds, room)
+        for ab in _candidates(records, num_layers, me.max_layers)
+    }
+    best = max(scores, key=scores.__getitem__)
+    if not near:
+        return best
+    flow, floor = (1 - GEO_SLACK) * (room.flow + scores[best][0]), [(1 - GEO_SLACK) * t for t in scores[best][1]]
+    fair = [
+        ab for ab, score in scores.items()
+        if room.flow + score[0] >= flow and all(x >= y for x, y in zip(score[1], floor))
+    ]
+    return min(fair, key=lambda ab: (round(local_trip(records, num_layers, near, *ab), 6), _worse(scores[ab])))
+
+
+def _worse(score: tuple) -> tuple:
+    gain, leximin, aligned, start = score
+    return -gain, tuple(-t for t in leximin), -aligned, -start
 
 
 def with_peer(records: list[PeerRecord], peer_id: str, start: int, end: int, me: Capacity) -> list[PeerRecord]:
@@ -142,7 +167,8 @@ class JoinPolicy:
 
 
 def place_peer(
-    records: list[PeerRecord], num_layers: int, me: Capacity, peer_id: str, policy: JoinPolicy = JoinPolicy()
+    records: list[PeerRecord], num_layers: int, me: Capacity, peer_id: str, policy: JoinPolicy = JoinPolicy(),
+    near: Mapping[str, float] | None = None,
 ) -> Placement:
     """Serve where it helps most; when every layer already has enough throughput, keep a stage warm instead.
 
@@ -150,7 +176,7 @@ def place_peer(
     `policy.min_gain`, and no layer is busier than `policy.busy` of its capacity.
     """
     others = [r for r in records if r.peer_id != peer_id]
-    start, end = choose_range(others, num_layers, me)
+    start, end = choose_range(others, num_layers, me, near)
     before = bottleneck(others, num_layers)
     if before <= 0:
         return Placement(start, end)

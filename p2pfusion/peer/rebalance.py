@@ -1,8 +1,10 @@
 """Should a serving peer move to other layers? A pure cost model over the DHT's records.
 
-A move pays when the throughput it adds to the bottleneck, over the time the peer is expected to
-stay once the reload is done, exceeds what is lost while it reloads: bottleneck throughput, and
-without overlap the traffic the peer carries now. The reload time is the peer's own: it records
+Throughput here is what the swarm carries routed perfectly (dht/flow.py's maximum flow), not the
+weakest layer's sum: ranges that do not chain add to the one and not to the other. A move pays
+when the throughput it adds, over the time the peer is expected to
+stay once the reload is done, exceeds what is lost while it reloads: the swarm's throughput, and
+without overlap the traffic the peer carries now. It never leaves a layer nobody else serves. The reload time is the peer's own: it records
 how long its last load took per layer. The expected stay follows the peer's uptime so far (a peer
 up for an hour is likely to stay a while; one that just came may leave soon), within bounds.
 
@@ -13,10 +15,12 @@ range while the old one keeps serving.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from p2pfusion.dht.records import PeerRecord
-from p2pfusion.peer.balance import Capacity, bottleneck, choose_range, with_peer
+from p2pfusion.dht.flow import swarm_flow
+from p2pfusion.peer.balance import Capacity, choose_range, layer_throughputs, with_peer
 
 MIN_HORIZON = 60.0
 MAX_HORIZON = 3600.0
@@ -40,21 +44,26 @@ def plan_move(
     reload_seconds_per_layer: float,
     uptime: float,
     min_gain: float = 0.05,
+    near: Mapping[str, float] | None = None,
 ) -> Move | None:
+    """`near`: this peer's round trips to others (balance.choose_range)."""
     others = [r for r in records if r.peer_id != me.peer_id]
-    target = choose_range(others, num_layers, capacity)
+    target = choose_range(others, num_layers, capacity, near)
     if target == (me.start, me.end):
         return None
-    now = bottleneck(others + [me], num_layers)
-    after = bottleneck(with_peer(others, me.peer_id, *target, capacity), num_layers)
-    if after <= now:
+    moved = with_peer(others, me.peer_id, *target, capacity)
+    if _served(moved, num_layers) < _served(others + [me], num_layers):
+        return None  # it would leave a layer nobody serves
+    now = swarm_flow(others + [me], num_layers)
+    after = swarm_flow(moved, num_layers)
+    if after <= now * (1 + 1e-9):
         return None
     gain = float("inf") if now == 0 else after / now - 1
     if gain < min_gain:
         return None
     overlap = me.span + (target[1] - target[0]) <= capacity.max_layers
     reload = reload_seconds_per_layer * (target[1] - target[0])
-    during = now if overlap else bottleneck(others, num_layers)
+    during = now if overlap else swarm_flow(others, num_layers)
     horizon = min(max(uptime, MIN_HORIZON), MAX_HORIZON)
     # the gain only starts once the new layers are loaded; a move that leaves a gap also stalls
     # the traffic this peer carries now, until its clients have moved
@@ -63,3 +72,7 @@ def plan_move(
     if benefit <= cost:
         return None
     return Move(target[0], target[1], overlap, gain, benefit, cost)
+
+
+def _served(records: list[PeerRecord], num_layers: int) -> int:
+    return sum(t > 0 for t in layer_throughputs(records, num_layers))

@@ -42,7 +42,7 @@ from p2pfusion.peer.run_service import ReplicaService, join_run
 
 log = logging.getLogger(__name__)
 
-LINK_PROBES = 3  # peers whose links a joining peer measures
+LINK_PROBES = 12  # peers whose links a joining peer measures
 SETTLE_DELAY = (0.5, 1.5)  # seconds before a joining peer re-checks its claim: a DHT write is seen by then
 SETTLE_ROUNDS = 3
 VERIFY_TTL = 10.0  # seconds our check of a peer that clients reported unreachable is trusted
@@ -173,9 +173,11 @@ class Peer:
         return fit
 
     async def _measure_links(self, records: list[PeerRecord]) -> tuple[float | None, float | None]:
-        """Tokens/s of hidden states and the round trip, to a few peers (median); None when alone."""
+        """Tokens/s of hidden states and the round trip, to up to LINK_PROBES peers measured at once
+        (their round trips also let a claim prefer close neighbours, peer/balance.py), as medians;
+        None when alone."""
         others = [r for r in records if r.state != PeerState.OFFLINE and r.peer_id != self.swarm.peer_id]
-        speeds = [await self.links.get(r.peer_id, r.data_addrs) for r in others[:LINK_PROBES]]
+        speeds = await asyncio.gather(*(self.links.get(r.peer_id, r.data_addrs) for r in others[:LINK_PROBES]))
         speeds = [s for s in speeds if s is not None]  # an unreachable peer is simply not measured
         if not speeds:
             return None, None
@@ -199,7 +201,7 @@ class Peer:
             stage = stage_most_at_risk(records, self.num_layers, self.capacity.max_layers)
             if stage is not None:
                 return Placement(*stage, backup=True)
-        return place_peer(records, self.num_layers, self.capacity, self.swarm.peer_id)
+        return place_peer(records, self.num_layers, self.capacity, self.swarm.peer_id, near=self.links.round_trips())
 
     async def start(self) -> None:
         if self.options.metrics_port is not None:  # first: a port taken fails the start before any work
@@ -313,7 +315,7 @@ class Peer:
             others = [r for r in records if r.peer_id != self.swarm.peer_id]
             if not yields_to(others, self.record):
                 break
-            again = place_peer(others, self.num_layers, self.capacity, self.swarm.peer_id)
+            again = place_peer(others, self.num_layers, self.capacity, self.swarm.peer_id, near=self.links.round_trips())
             if again == placement:
                 break
             log.info(

@@ -191,7 +191,9 @@ class Upkeep:
         mine = self.peer.record
         if mine.state == PeerState.BACKUP:
             records, _ = await self._snapshot()
-            placement = place_peer(records, self.peer.num_layers, self.peer.capacity, mine.peer_id)
+            placement = place_peer(
+                records, self.peer.num_layers, self.peer.capacity, mine.peer_id, near=self.peer.links.round_trips()
+            )
             if not placement.backup and (placement.start, placement.end) == (mine.start, mine.end):
                 log.info("demand needs this backup's stage: serving it")
                 await self.peer.announce(state=PeerState.ONLINE)
@@ -207,6 +209,7 @@ class Upkeep:
             move = plan_move(
                 records, self.peer.num_layers, self.peer.record, self.peer.capacity,
                 self.peer.reload_seconds_per_layer, time.monotonic() - self.peer.started, min_gain,
+                self.peer.links.round_trips(),
             )
             if move is None:
                 return

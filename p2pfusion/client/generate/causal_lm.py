@@ -8,17 +8,19 @@ swarm session and the tokens its peers hold.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.client.canary import Canaries
-from p2pfusion.client.core import ClientCore
+from p2pfusion.client.core import ClientCore, connect
 from p2pfusion.client.generate import template
 from p2pfusion.client.generate.conversation import Conversation, Generated
+from p2pfusion.client.generate.draft_model import DraftModel
 from p2pfusion.client.generate.greedy import HeadBatcher
 from p2pfusion.client.generate.local_layers import LocalLayers
 from p2pfusion.client.generate.lockstep import Lockstep
@@ -52,6 +54,7 @@ class RemoteCausalLM:
         self._markers: list[str] | None = None  # the tokenizer's added tokens' texts (generate/template.py)
         self._longest_token: int | None = None
         self._speculates: bool | None = None  # whether generations draft (`speculates`); None: not known yet
+        self._draft: asyncio.Future[DraftModel] | None = None  # options.draft_model, loading or loaded
 
     @classmethod
     def build(
@@ -60,6 +63,20 @@ class RemoteCausalLM:
         """An engine on a new core of `source` (attached to `swarm`, if given), with `options` or the
         settings they are made of (client/options.py)."""
         return cls(ClientCore(source, ClientOptions.of(options, settings), swarm))
+
+    @classmethod
+    async def connect(
+        cls, initial_peers: Sequence[str], model: str | ModelSource | None, options: ClientOptions
+    ) -> RemoteCausalLM:
+        """An engine on a client of `model` joined to the swarm of `initial_peers` (client/core.py's
+        `connect`), its draft model loaded: a bad one is said before any generation."""
+        engine = cls(await connect(initial_peers, model, options))
+        try:
+            await engine.draft_model()
+        except BaseException:
+            await engine.core.leave()
+            raise
+        return engine
 
     @property
     def source(self) -> ModelSource:
@@ -185,6 +202,16 @@ class RemoteCausalLM:
         if self._speculates is None:
             self._speculates = self.core.options.speculate == "auto" and batchable(self.config)
         return self._speculates
+
+    async def draft_model(self) -> DraftModel | None:
+        """The model that drafts (options.draft_model; None: prompt lookup drafts), loaded on a
+        worker thread when first asked for; generations that ask meanwhile wait for that load."""
+        name = self.core.options.draft_model
+        if name is None or not self.speculates():
+            return None
+        if self._draft is None:
+            self._draft = asyncio.ensure_future(asyncio.to_thread(DraftModel.load, name, self.source, self.config))
+        return await asyncio.shield(self._draft)
 
     @torch.inference_mode()
     def distributions(self, hidden: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:

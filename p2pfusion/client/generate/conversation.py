@@ -18,7 +18,7 @@ import torch
 
 from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
-from p2pfusion.client.generate.draft import Speculation, accept_greedy, accept_sampled
+from p2pfusion.client.generate.draft import MAX_DRAFTS, Speculation, accept_greedy, accept_sampled
 from p2pfusion.client.generate.local_layers import LocalRun
 from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.planner import new_tokens_within
@@ -27,6 +27,7 @@ from p2pfusion.errors import RequestError, RouteError
 
 if TYPE_CHECKING:
     from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+    from p2pfusion.client.generate.draft_model import Drafter
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class Conversation:
         self.tokens: list[int] = []  # what the peers' caches hold (after the soft prompt), in order
         self.limit = 0  # the longest sequence of tokens the open session takes
         self.speculation: Speculation | None = None  # drafting, as measured on this session
+        self.drafter: Drafter | None = None  # the draft model's cache for this session, with a draft model
 
     def _unsent(self, input_ids: list[int]) -> list[int] | None:
         """The tokens after those the session holds; None when it holds other tokens, or all of them."""
@@ -131,7 +133,7 @@ class Conversation:
             hidden = await self._step(embeds)
             self.tokens += new
             t1 = time.perf_counter()
-            spec = self._speculation()
+            spec = await self._speculation()
             queued: list[int] = []  # accepted drafts: in the peers' caches already, not in `out` yet
             after: int | None = None  # the token the last speculative step chose after them
             with model.lockstep.member(adapter) as member:  # in step with the client's other sessions
@@ -181,7 +183,7 @@ class Conversation:
                     room = total - len(input_ids) - len(out) - 1  # drafts past the last token allowed are wasted
                     # beside other sessions the peers' compute is shared: a draft's positions would
                     # take it from their tokens (docs/benchmarks.md), so only a lone session drafts
-                    drafts = [] if spec is None or not member.alone else spec.drafts(input_ids + out, room)
+                    drafts = [] if spec is None or not member.alone else await self._drafts(spec, input_ids + out, room)
                     began = time.perf_counter()
                     hidden = await self._step(model.embed([token, *drafts]))
                     self.tokens.append(token)
@@ -189,7 +191,8 @@ class Conversation:
                         queued, after = await self._judge(drafts, hidden, temperature, generator, top_p)
                         self.tokens += queued
                     if spec is not None:
-                        spec.took(len(drafts), len(queued), time.perf_counter() - began)
+                        drafting = None if self.drafter is None else self.drafter.cost
+                        spec.took(len(drafts), len(queued), time.perf_counter() - began, drafting)
             t2 = time.perf_counter()
         except BaseException:
             await self.close()  # a step may be half done: the peers' caches are no longer known
@@ -199,14 +202,24 @@ class Conversation:
         steps = None if spec is None else spec.steps
         return Generated(out, text, t1 - t0, t2 - t1, self.session.recoveries, rewinds, times, steps)
 
-    def _speculation(self) -> Speculation | None:
+    async def _speculation(self) -> Speculation | None:
         """This generation's drafting policy (None: no drafts), kept across the session's calls."""
         if not self.model.speculates():
             return None
         if self.speculation is None:
+            draft = await self.model.draft_model()
             self.speculation = Speculation()
+            self.drafter = None if draft is None else draft.drafter()
         self.speculation.begin()
         return self.speculation
+
+    async def _drafts(self, spec: Speculation, sequence: list[int], room: int) -> list[int]:
+        """The drafts to send after `sequence`: the draft model's, if the client has one, else
+        prompt lookup's."""
+        if self.drafter is None:
+            return spec.drafts(sequence, room)
+        k = spec.size(min(room, MAX_DRAFTS))
+        return await asyncio.to_thread(self.drafter.propose, sequence, k) if k else []
 
     async def _judge(
         self, drafts: list[int], hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float

@@ -11,7 +11,10 @@ edit of code) drafts well; free chat rarely does.
 what each extra position adds to a step's time, seen from here (network, peers' compute, the
 client's head): it sends the k with the most tokens per second expected, and none when drafting
 does not pay, trying one draft now and then (less often each time one falls) so that it notices
-when the text turns repetitive.
+when the text turns repetitive. A session's first step after its prefill carries no drafts: it times
+the plain step that the drafts' cost is measured against. A small draft model
+(generate/draft_model.py) may draft instead of prompt lookup: what one of its steps costs here
+counts beside each draft's cost in the swarm.
 
 Which drafts stand: greedily, those equal to the model's choice at the position before (`accept_greedy`),
 so the text is the one plain greedy decoding gives. Sampled, the standard rule for a drafter that
@@ -87,7 +90,8 @@ class Speculation:
     first: tuple[float, float] = FIRST_PRIOR
     rest: tuple[float, float] = REST_PRIOR
     one_step: float | None = None  # seconds of a step without drafts, from here
-    extra: float | None = None  # seconds each draft adds to a step
+    extra: float | None = None  # seconds each draft adds to a step's trip through the swarm
+    drafting: float = 0.0  # seconds it takes here to draft one token (a draft model's step; lookup: nothing)
     since_draft: int = 0  # steps since the last that carried drafts
     explore_gap: int = EXPLORE_EVERY  # steps without drafts before the next try
     steps: int = 0  # swarm steps the generation under way took, its prefill included
@@ -101,21 +105,29 @@ class Speculation:
         """A generation starts: its prefill, which chose its first token, is its first step."""
         self.steps = 1
 
-    def drafts(self, sequence: Sequence[int], room: int) -> list[int]:
-        """The drafts to send behind the last token of `sequence`, at most `room`."""
-        if room <= 0:
-            return []
-        candidates = lookup(sequence, min(room, MAX_DRAFTS))
-        if not candidates:
-            return []
-        share = COST_PRIOR if self.extra is None or not self.one_step else self.extra / self.one_step
-        k = best_drafts(*self.rates(), share, len(candidates))
+    def size(self, available: int) -> int:
+        """How many drafts to send of the `available` ones: none until a plain step was timed, so
+        that what drafts add to a step is measured against it."""
+        if available <= 0 or self.one_step is None:
+            return 0
+        swarm = COST_PRIOR * self.one_step if self.extra is None else self.extra
+        share = (swarm + self.drafting) / max(self.one_step, 1e-6)
+        k = best_drafts(*self.rates(), share, available)
         if k == 0 and self.since_draft >= self.explore_gap:
             k = 1
-        return candidates[:k]
+        return k
 
-    def took(self, drafts: int, accepted: int, seconds: float) -> None:
-        """A step with `drafts` drafts, of which `accepted` stood, took `seconds` (its head included)."""
+    def drafts(self, sequence: Sequence[int], room: int) -> list[int]:
+        """The drafts prompt lookup finds behind the last token of `sequence`, as many as pay, at
+        most `room`."""
+        candidates = lookup(sequence, min(room, MAX_DRAFTS)) if room > 0 and self.one_step is not None else []
+        return candidates[:self.size(len(candidates))]
+
+    def took(self, drafts: int, accepted: int, seconds: float, drafting: float | None = None) -> None:
+        """A step with `drafts` drafts, of which `accepted` stood, took `seconds` through the swarm
+        (its head included); `drafting`: what drafting one token costs here, as last measured."""
+        if drafting is not None:
+            self.drafting = drafting
         self.steps += 1
         if drafts == 0:
             self.since_draft += 1

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 
-from p2pfusion.client.core import connect
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.conversation import Generated
 from p2pfusion.client.generate.stops import MAX_STOP_CHARS, MAX_STOPS, StopText, cut_at_stop
@@ -99,7 +98,7 @@ class SwarmLM:
         sees the token embeddings), `min_precision` (the least precise weight format a route may
         use; "float32": exact), `compression`, `dtype` (client/options.py)."""
         options = ClientOptions.of(options, settings)
-        return cls(RemoteCausalLM(await connect(initial_peers, model, options)), owns_swarm=True)
+        return cls(await RemoteCausalLM.connect(initial_peers, model, options), owns_swarm=True)
 
     @property
     def tokenizer(self):

@@ -186,11 +186,10 @@ def link_seconds(a: PeerRecord, b: PeerRecord, rtts: Mapping[str, float]) -> flo
     them, the larger of their two words (one lying low cannot draw routes without the other's), and
     never less than this client's own pings allow (a round trip differs from the client's to either
     end by no more than the link itself); HOP_SECONDS where neither measured it."""
-    claims = [link.rtt for link in a.links if link.peer_id == b.peer_id]
-    claims += [link.rtt for link in b.links if link.peer_id == a.peer_id]
+    claimed = a.round_trip_with(b)
     to_a, to_b = rtts.get(a.peer_id), rtts.get(b.peer_id)
     floor = abs(to_a - to_b) if to_a is not None and to_b is not None else 0.0
-    return max(max(claims, default=HOP_SECONDS), floor) / 2
+    return max(HOP_SECONDS if claimed is None else claimed, floor) / 2
 
 
 def _left_out(records: list[PeerRecord], banned: Collection[str], gaps: list[tuple[int, int]]) -> str:

@@ -1,0 +1,70 @@
+"""What a swarm's peers carry together, routed perfectly: the maximum flow of tokens from layer
+boundary 0 to the last, each serving peer an edge from its range's start to its end with its
+throughput as capacity. A route changes peers only where one's range ends and the next one's
+starts, so layer-by-layer sums (dht/coverage.py) overstate it where ranges do not chain.
+
+`FlowRoom` says what a new range would add: tokens that can still reach its start, and still
+leave its end, once the present flow runs (an upper bound on its gain: the two paths might share
+an edge). Pure. scipy's max-flow (Dinic, compiled) takes integer capacities below 2**31, so rates
+are scaled to fixed point: a part in 2**30 of the swarm's total, far below what any choice here
+turns on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_flow
+
+from p2pfusion.dht.coverage import planned
+from p2pfusion.dht.records import PeerRecord
+
+FIXED_POINT = float(1 << 30)  # the swarm's total rate, in units of the integer capacities
+
+
+def _capacities(edges: Iterable[tuple[int, int, float]], num_layers: int) -> tuple[np.ndarray, float]:
+    """The boundaries' capacity matrix in fixed point, and the rate of one unit."""
+    kept = [(a, b, rate) for a, b, rate in edges if 0 <= a < b <= num_layers and rate > 0]
+    unit = (sum(rate for _, _, rate in kept) or 1.0) / FIXED_POINT
+    matrix = np.zeros((num_layers + 1, num_layers + 1), dtype=np.int64)
+    for a, b, rate in kept:
+        matrix[a, b] += int(rate / unit)
+    return matrix, unit
+
+
+def _flow(matrix: np.ndarray, source: int, sink: int):
+    return maximum_flow(csr_matrix(matrix.astype(np.int32)), source, sink, method="dinic")
+
+
+def max_flow(edges: Iterable[tuple[int, int, float]], num_layers: int) -> float:
+    """The maximum flow from boundary 0 to `num_layers` over (start, end, capacity) edges."""
+    matrix, unit = _capacities(edges, num_layers)
+    return _flow(matrix, 0, num_layers).flow_value * unit
+
+
+def serving_edges(records: Iterable[PeerRecord], num_layers: int) -> list[tuple[int, int, float]]:
+    return [(r.start, r.end, r.throughput) for r in map(planned, records) if r.serving and r.end <= num_layers]
+
+
+def swarm_flow(records: Iterable[PeerRecord], num_layers: int) -> float:
+    """What the serving peers of these records carry at most, routed perfectly."""
+    return max_flow(serving_edges(records, num_layers), num_layers)
+
+
+class FlowRoom:
+    """The swarm's flow, and at each boundary how much more could reach it from 0 (`into`) and
+    leave it for the last (`out_of`) with that flow running."""
+
+    def __init__(self, records: Iterable[PeerRecord], num_layers: int):
+        matrix, unit = _capacities(serving_edges(records, num_layers), num_layers)
+        result = _flow(matrix, 0, num_layers)
+        self.flow = result.flow_value * unit
+        residual = matrix - result.flow.toarray()  # a pushed unit may also be pushed back
+        self.into = [np.inf] + [_flow(residual, 0, b).flow_value * unit for b in range(1, num_layers + 1)]
+        self.out_of = [_flow(residual, b, num_layers).flow_value * unit for b in range(num_layers)] + [np.inf]
+
+    def gain(self, start: int, end: int, rate: float) -> float:
+        """At most what a peer carrying `rate` through [start, end) would add to the flow."""
+        return float(min(rate, self.into[start], self.out_of[end]))

@@ -1,0 +1,98 @@
+"""A placement's pipeline throughput, and the best placement of a fleet.
+
+A placement gives each peer a contiguous range of layers (or none); what it carries, routed
+perfectly, is the maximum flow through the ranges (dht/flow.py).
+
+The best placement (as Helix places models on heterogeneous GPUs, with a max-flow objective) is a
+mixed-integer program over the fleet's kinds of volunteer (same compute, link and memory): how
+many of each kind serve each range, and a flow through the ranges (`best_placement`, solved by
+HiGHS through scipy). With hundreds of volunteers of each kind, its linear relaxation is within a
+hair of it and solves in a second; the relaxation is an upper bound, so a ratio against it
+understates how close a placement comes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import lil_matrix
+
+from p2pfusion.dht.flow import max_flow
+from p2pfusion.dht.records import span_throughput
+from p2pfusion.peer.balance import Capacity
+
+
+@dataclass(frozen=True)
+class Best:
+    found: float  # what the best placement found carries (0: none found in time)
+    bound: float  # what no placement can beat (the solver's dual bound, or the relaxation's value)
+
+    @property
+    def exact(self) -> bool:
+        return self.bound - self.found <= 1e-3 * self.bound
+
+
+def best_placement(capacities: list[Capacity], num_layers: int, relax: bool = False, seconds: float = 60.0) -> Best:
+    """The best placement of these peers the solver finds in `seconds`, and what bounds every
+    placement (see the module's docstring); with `relax`, the relaxation's bound only."""
+    kinds = Counter(capacities)
+    kinds_list = list(kinds)
+    longest = max(c.max_layers for c in kinds_list)
+    ranges = [(a, a + k) for k in range(1, min(longest, num_layers) + 1) for a in range(num_layers - k + 1)]
+    # variables: n[kind, range] (peers of that kind on that range), then f[range] (the flow through it)
+    placed = [(i, j) for i, kind in enumerate(kinds_list) for j, (a, b) in enumerate(ranges) if b - a <= kind.max_layers]
+    flow0 = len(placed)
+    size = flow0 + len(ranges)
+    rows = len(kinds_list) + len(ranges) + (num_layers - 1)
+    matrix = lil_matrix((rows, size))
+    lower, upper = np.zeros(rows), np.zeros(rows)
+    for v, (i, j) in enumerate(placed):
+        a, b = ranges[j]
+        matrix[i, v] = 1.0  # at most as many peers of a kind as the fleet has
+        matrix[len(kinds_list) + j, v] = -span_throughput(kinds_list[i].compute_rate, kinds_list[i].network_rate, b - a)
+    upper[:len(kinds_list)] = [kinds[k] for k in kinds_list]
+    lower[:len(kinds_list)] = 0.0
+    for j, (a, b) in enumerate(ranges):
+        matrix[len(kinds_list) + j, flow0 + j] = 1.0  # a range carries no more than its peers do
+        lower[len(kinds_list) + j], upper[len(kinds_list) + j] = -np.inf, 0.0
+        base = len(kinds_list) + len(ranges)
+        if b < num_layers:
+            matrix[base + b - 1, flow0 + j] += 1.0  # what ends at a boundary goes on from it
+        if a > 0:
+            matrix[base + a - 1, flow0 + j] -= 1.0
+    objective = np.zeros(size)
+    for j, (a, _) in enumerate(ranges):
+        if a == 0:
+            objective[flow0 + j] = -1.0
+    integrality = np.zeros(size)
+    if not relax:
+        integrality[:flow0] = 1
+    result = milp(
+        objective, constraints=LinearConstraint(matrix.tocsr(), lower, upper), integrality=integrality,
+        bounds=Bounds(np.zeros(size), np.full(size, np.inf)), options={"time_limit": seconds, "mip_rel_gap": 1e-4},
+    )
+    if result.x is None:  # no integer placement found in time: the relaxation bounds it
+        return Best(0.0, best_placement(capacities, num_layers, relax=True).bound)
+    found = -float(result.fun)
+    if relax:
+        return Best(0.0, found)
+    bound = -float(getattr(result, "mip_dual_bound", None) or result.fun)
+    return Best(found, max(bound, found))
+
+
+def enumerated_best(capacities: list[Capacity], num_layers: int) -> float:
+    """The best placement by trying every one (each peer: no range, or any range it can hold); for
+    a handful of peers and layers only."""
+    choices = [
+        [None, *[(a, a + k) for k in range(1, min(c.max_layers, num_layers) + 1) for a in range(num_layers - k + 1)]]
+        for c in capacities
+    ]
+    best = 0.0
+    for placement in itertools.product(*choices):
+        edges = [(r[0], r[1], c.throughput(r[1] - r[0])) for r, c in zip(placement, capacities) if r is not None]
+        best = max(best, max_flow(edges, num_layers))
+    return best

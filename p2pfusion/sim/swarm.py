@@ -1,0 +1,84 @@
+"""The swarm the real policies build from a fleet: peers join one at a time, each placing itself
+as a joining peer does (`place_peer`, with its round trips to up to a dozen peers), then serving
+peers rebalance (`plan_move`) and backups take up their stage when demand needs it, in rounds,
+until nobody moves. Demand is saturated (every serving peer's load is its throughput): the case
+where placement decides what the swarm carries.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, replace
+
+from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.peer.balance import place_peer
+from p2pfusion.peer.rebalance import plan_move
+from p2pfusion.sim.fleet import Volunteer, round_trip
+from p2pfusion.sim.profiles import ModelShape
+
+PROBED = 12  # peers a joining peer measures its links to (peer/runtime.py's LINK_PROBES)
+RELOAD_SECONDS_PER_LAYER = 2.0  # a layer read from disk and set up: a gigabyte at half a GB/s
+UPTIME = 3600.0  # seconds a peer expects to stay, for the rebalancer's pay-back
+
+
+@dataclass
+class Swarm:
+    model: ModelShape
+    volunteers: dict[str, Volunteer]
+    records: dict[str, PeerRecord]
+    rng: random.Random
+    geography: bool = True
+
+    def near(self, me: Volunteer) -> dict[str, float] | None:
+        if not self.geography:
+            return None
+        others = [p for p in self.records if p != me.peer_id]
+        probed = self.rng.sample(others, min(PROBED, len(others)))
+        return {p: round_trip(me.region, self.volunteers[p].region) for p in probed}
+
+    def join(self, me: Volunteer) -> None:
+        self.volunteers[me.peer_id] = me
+        records = list(self.records.values())
+        placement = place_peer(records, self.model.layers, me.capacity, me.peer_id, near=self.near(me))
+        state = PeerState.BACKUP if placement.backup else PeerState.ONLINE
+        self._set(me, placement.start, placement.end, state)
+
+    def leave(self, peer_id: str) -> None:
+        self.records.pop(peer_id, None)
+
+    def settle(self, rounds: int = 10) -> int:
+        """Rounds of every peer's upkeep, in random order, until nobody moved; how many ran."""
+        for done in range(1, rounds + 1):
+            if not any([self._upkeep(peer_id) for peer_id in self.rng.sample(list(self.records), len(self.records))]):
+                return done
+        return rounds
+
+    def _upkeep(self, peer_id: str) -> bool:
+        """One peer's look at the swarm (peer/upkeep.py's rebalancing); True when it changed."""
+        me, mine = self.volunteers[peer_id], self.records[peer_id]
+        records = list(self.records.values())
+        if mine.state == PeerState.BACKUP:
+            placement = place_peer(records, self.model.layers, me.capacity, peer_id, near=self.near(me))
+            if placement.backup or (placement.start, placement.end) != (mine.start, mine.end):
+                return False
+            self._set(me, mine.start, mine.end, PeerState.ONLINE)
+            return True
+        move = plan_move(
+            records, self.model.layers, mine, me.capacity, RELOAD_SECONDS_PER_LAYER, UPTIME, near=self.near(me)
+        )
+        if move is None:
+            return False
+        self._set(me, move.start, move.end, PeerState.ONLINE)
+        return True
+
+    def _set(self, me: Volunteer, start: int, end: int, state: PeerState) -> None:
+        record = me.record(self.model, start, end, state)
+        self.records[me.peer_id] = replace(record, load=record.throughput if record.serving else 0.0)
+
+
+def built(fleet: list[Volunteer], model: ModelShape, rng: random.Random, geography: bool = True) -> Swarm:
+    """The swarm after every volunteer of `fleet` joined, in its order (nobody rebalanced yet)."""
+    swarm = Swarm(model, {}, {}, rng, geography)
+    for volunteer in fleet:
+        swarm.join(volunteer)
+    return swarm

@@ -1,0 +1,75 @@
+"""The fleet simulator (p2pfusion/sim/): its optimum against trying every placement, its max
+flow, and the real balancing policies on simulated fleets: coverage, and how close they come."""
+
+import random
+
+import pytest
+
+from p2pfusion.dht.flow import FlowRoom, max_flow, swarm_flow
+from p2pfusion.peer.balance import Capacity, layer_throughputs
+from p2pfusion.sim.fleet import draw_fleet
+from p2pfusion.sim.optimum import best_placement, enumerated_best
+from p2pfusion.sim.profiles import MODELS, ModelShape
+from p2pfusion.sim.swarm import built
+from tests.policy_records import rec
+
+
+def test_max_flow_needs_ranges_that_chain():
+    assert max_flow([(0, 2, 5.0), (2, 4, 3.0), (0, 4, 1.0)], 4) == pytest.approx(4.0)
+    assert max_flow([(0, 3, 5.0), (2, 4, 5.0)], 4) == 0.0  # every layer served, no route
+    records = [rec(0, 2, throughput=5.0, name="a"), rec(2, 4, throughput=3.0, name="b"), rec(1, 4, throughput=9.0, name="c")]
+    room = FlowRoom(records, 4)
+    assert room.flow == pytest.approx(3.0)
+    assert room.gain(2, 4, 10.0) == pytest.approx(2.0)  # a's spare 2 tokens/s could go on
+    assert room.gain(0, 1, 10.0) == pytest.approx(9.0)  # c, which starts at 1, is idle
+    assert room.gain(0, 2, 1.0) == pytest.approx(0.0)  # nothing more leaves boundary 2
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_integer_optimum_is_the_best_placement_and_its_relaxation_bounds_it(seed):
+    rng = random.Random(seed)
+    fleet = [Capacity(rng.choice([10.0, 20.0, 30.0]), rng.choice([None, 8.0]), rng.choice([1, 2, 3])) for _ in range(4)]
+    best = enumerated_best(fleet, 4)
+    solved = best_placement(fleet, 4)
+    assert solved.exact and solved.found == pytest.approx(best, rel=1e-6)
+    assert best_placement(fleet, 4, relax=True).bound >= best - 1e-6
+
+
+def test_fleets_follow_the_profiles():
+    model = MODELS["llama-70b-int8"]
+    fleet = draw_fleet(400, model, random.Random(0))
+    assert len({v.peer_id for v in fleet}) == 400 and all(1 <= v.capacity.max_layers <= 80 for v in fleet)
+    holds = {v.device.name: v.capacity.max_layers for v in fleet}
+    assert holds["A100 80GB"] == 80 and holds["RTX 3060 12GB"] == 12  # 0.86 GB a layer in int8
+    assert 60 < sum(v.device.name.startswith("RTX 3060") for v in fleet) < 120  # 22 % of volunteers
+
+
+SMALL = ModelShape("small", 12, 0.856e9 * 80 / 12, 1.0, 8192)  # the 70B's bytes in 12 layers: few fit anywhere
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_joining_volunteers_cover_the_model_when_the_fleet_can(seed):
+    rng = random.Random(seed)
+    fleet = draw_fleet(30, SMALL, rng)
+    swarm = built(fleet, SMALL, rng)
+    assert min(layer_throughputs(swarm.records.values(), SMALL.layers)) > 0
+    before = swarm_flow(swarm.records.values(), SMALL.layers)
+    swarm.settle()
+    assert min(layer_throughputs(swarm.records.values(), SMALL.layers)) > 0
+    assert swarm_flow(swarm.records.values(), SMALL.layers) >= before
+
+
+def test_small_swarms_come_close_to_their_optimum():
+    """Five volunteers of a six-layer model, whose best placement the solver proves."""
+    model = ModelShape("tiny", 6, 0.856e9 * 80 / 6, 1.0, 8192)
+    ratios = []
+    for seed in range(8):
+        rng = random.Random(seed)
+        fleet = draw_fleet(5, model, rng)
+        swarm = built(fleet, model, rng)
+        swarm.settle()
+        solved = best_placement([v.capacity for v in fleet], model.layers)  # exact, as the test above checks
+        assert solved.exact
+        best = solved.found
+        ratios.append(swarm_flow(swarm.records.values(), model.layers) / best if best else 1.0)
+    assert min(ratios) >= 0.7 and sum(ratios) / len(ratios) >= 0.9
