@@ -10,17 +10,21 @@ swarm's throughput is the maximum flow through its serving peers' ranges (routin
 perfectly); the optimum is the best placement of the same fleet (p2pfusion/sim/optimum.py: a
 mixed-integer program solved by HiGHS; for fleets over --exact-up-to peers, its linear relaxation,
 an upper bound, so the ratios printed are at most what they would be against the true optimum).
+For the first seed it also times the `/v1/swarm` view of the swarm (client/survey.py), on stderr.
 Usage: python scripts/sim_fleet.py --peers 100 --seeds 30 [--models llama-70b-int8,llama-70b-int4]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
 import time
 
+from p2pfusion.client.survey import ModelView
+from p2pfusion.dht.records import ModelEntry
 from p2pfusion.sim.fleet import draw_fleet
 from p2pfusion.dht.flow import swarm_flow
 from p2pfusion.sim.optimum import best_placement
@@ -35,9 +39,22 @@ def one_seed(peers: int, model, seed: int, exact_up_to: int) -> tuple[float, flo
     joined = swarm_flow(swarm.records.values(), model.layers)
     swarm.settle()
     settled = swarm_flow(swarm.records.values(), model.layers)
+    if seed == 0:
+        view_time(list(swarm.records.values()), model)
     best = best_placement([v.capacity for v in fleet], model.layers, relax=peers > exact_up_to)
     reference = best.found if best.exact else best.bound
     return joined / reference, settled / reference, best.exact
+
+
+def view_time(records: list, model) -> None:
+    """How long the `/v1/swarm` JSON's model view (client/survey.py) takes to build for this swarm."""
+    view = ModelView(ModelEntry("sim", model.name, model.layers, model.hidden), records, {})
+    t0 = time.perf_counter()
+    runs = 5
+    for _ in range(runs):
+        json.dumps(view.to_dict())
+    print(f"{model.name}: the /v1/swarm view of {len(records)} peers builds in "
+          f"{1000 * (time.perf_counter() - t0) / runs:.1f} ms", file=sys.stderr)
 
 
 def main() -> None:

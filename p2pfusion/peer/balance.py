@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from p2pfusion.dht.coverage import layer_throughputs, planned
-from p2pfusion.dht.flow import FlowRoom
+from p2pfusion.dht.flow import FlowRoom, swarm_flow
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
 from p2pfusion.peer.geography import local_trip
 
@@ -159,9 +159,10 @@ def stage_most_at_risk(records: list[PeerRecord], num_layers: int, max_layers: i
 
 @dataclass(frozen=True)
 class JoinPolicy:
-    # Once every layer is served, a newcomer serves only if it raises the bottleneck by this fraction
-    # or demand needs it; otherwise it keeps a stage warm. A duplicate range that adds little speed
-    # would only split traffic, where a backup makes a stage survive its peer.
+    # Once routes cover every layer, a newcomer serves only if it raises what they carry (the
+    # swarm's flow) by this fraction or demand needs it; otherwise it keeps a stage warm. A
+    # duplicate range that adds little speed would only split traffic, where a backup makes a
+    # stage survive its peer.
     min_gain: float = 0.5
     busy: float = 0.5  # a layer whose demand passes this share of its capacity needs more servers
 
@@ -172,15 +173,15 @@ def place_peer(
 ) -> Placement:
     """Serve where it helps most; when every layer already has enough throughput, keep a stage warm instead.
 
-    "Enough" means: every layer is served, this peer would raise the bottleneck by less than
-    `policy.min_gain`, and no layer is busier than `policy.busy` of its capacity.
+    "Enough" means: routes cover every layer, this peer would raise what they carry (the swarm's
+    flow) by less than `policy.min_gain`, and no layer is busier than `policy.busy` of its capacity.
     """
     others = [r for r in records if r.peer_id != peer_id]
     start, end = choose_range(others, num_layers, me, near)
-    before = bottleneck(others, num_layers)
+    before = swarm_flow(others, num_layers)
     if before <= 0:
         return Placement(start, end)
-    gain = bottleneck(with_peer(others, peer_id, start, end, me), num_layers) / before - 1
+    gain = swarm_flow(with_peer(others, peer_id, start, end, me), num_layers) / before - 1
     if gain >= policy.min_gain or utilization(others, num_layers) >= policy.busy:
         return Placement(start, end)
     stage = stage_most_at_risk(others, num_layers, me.max_layers)

@@ -191,8 +191,11 @@ class Upkeep:
         mine = self.peer.record
         if mine.state == PeerState.BACKUP:
             records, _ = await self._snapshot()
-            placement = place_peer(
-                records, self.peer.num_layers, self.peer.capacity, mine.peer_id, near=self.peer.links.round_trips()
+            # on a worker thread, as below: in a large swarm the flow bounds take tens of ms,
+            # which the loop relaying sessions' frames should not wait for
+            placement = await asyncio.to_thread(
+                place_peer, records, self.peer.num_layers, self.peer.capacity, mine.peer_id,
+                near=self.peer.links.round_trips(),
             )
             if not placement.backup and (placement.start, placement.end) == (mine.start, mine.end):
                 log.info("demand needs this backup's stage: serving it")
@@ -206,8 +209,8 @@ class Upkeep:
             return  # the user chose these layers, or this replica's weights are trained where they are
         for attempt in range(2):
             records, _ = await self._snapshot()
-            move = plan_move(
-                records, self.peer.num_layers, self.peer.record, self.peer.capacity,
+            move = await asyncio.to_thread(
+                plan_move, records, self.peer.num_layers, self.peer.record, self.peer.capacity,
                 self.peer.reload_seconds_per_layer, time.monotonic() - self.peer.started, min_gain,
                 self.peer.links.round_trips(),
             )
