@@ -58,13 +58,26 @@ class FlowRoom:
     leave it for the last (`out_of`) with that flow running."""
 
     def __init__(self, records: Iterable[PeerRecord], num_layers: int):
-        matrix, unit = _capacities(serving_edges(records, num_layers), num_layers)
+        self.num_layers = num_layers
+        matrix, self._unit = _capacities(serving_edges(records, num_layers), num_layers)
         result = _flow(matrix, 0, num_layers)
-        self.flow = result.flow_value * unit
-        residual = matrix - result.flow.toarray()  # a pushed unit may also be pushed back
-        self.into = [np.inf] + [_flow(residual, 0, b).flow_value * unit for b in range(1, num_layers + 1)]
-        self.out_of = [_flow(residual, b, num_layers).flow_value * unit for b in range(num_layers)] + [np.inf]
+        self.flow = result.flow_value * self._unit
+        self._residual = matrix - result.flow.toarray()  # a pushed unit may also be pushed back
+        # each boundary's room is worked out when first asked for: candidates start at few of them
+        self._into: dict[int, float] = {0: np.inf}
+        self._out_of: dict[int, float] = {num_layers: np.inf}
+
+    def into(self, boundary: int) -> float:
+        if boundary not in self._into:
+            self._into[boundary] = _flow(self._residual, 0, boundary).flow_value * self._unit
+        return self._into[boundary]
+
+    def out_of(self, boundary: int) -> float:
+        if boundary not in self._out_of:
+            self._out_of[boundary] = _flow(self._residual, boundary, self.num_layers).flow_value * self._unit
+        return self._out_of[boundary]
 
     def gain(self, start: int, end: int, rate: float) -> float:
         """At most what a peer carrying `rate` through [start, end) would add to the flow."""
-        return float(min(rate, self.into[start], self.out_of[end]))
+        into = self.into(start)
+        return float(min(rate, into, self.out_of(end))) if into > 0 else 0.0

@@ -55,11 +55,10 @@ def best_placement(capacities: list[Capacity], num_layers: int, relax: bool = Fa
         matrix[i, v] = 1.0  # at most as many peers of a kind as the fleet has
         matrix[len(kinds_list) + j, v] = -span_throughput(kinds_list[i].compute_rate, kinds_list[i].network_rate, b - a)
     upper[:len(kinds_list)] = [kinds[k] for k in kinds_list]
-    lower[:len(kinds_list)] = 0.0
+    base = len(kinds_list) + len(ranges)  # the first boundary's row
     for j, (a, b) in enumerate(ranges):
         matrix[len(kinds_list) + j, flow0 + j] = 1.0  # a range carries no more than its peers do
-        lower[len(kinds_list) + j], upper[len(kinds_list) + j] = -np.inf, 0.0
-        base = len(kinds_list) + len(ranges)
+        lower[len(kinds_list) + j] = -np.inf
         if b < num_layers:
             matrix[base + b - 1, flow0 + j] += 1.0  # what ends at a boundary goes on from it
         if a > 0:

@@ -30,9 +30,8 @@ log = logging.getLogger(__name__)
 
 
 class DraftModel:
-    def __init__(self, model: torch.nn.Module, source: ModelSource):
+    def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.source = source
         self.positions = max_positions(model.config)
 
     @classmethod
@@ -58,7 +57,7 @@ class DraftModel:
             raise ModelError(f"cannot load the draft model {source.name}: {exc}") from exc
         model.requires_grad_(False)
         log.info("drafting with %s (%d layers)", source.name, config.num_hidden_layers)
-        return cls(model, source)
+        return cls(model)
 
     def drafter(self) -> Drafter:
         return Drafter(self)
