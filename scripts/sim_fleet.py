@@ -11,7 +11,10 @@ perfectly); the optimum is the best placement of the same fleet (p2pfusion/sim/o
 mixed-integer program solved by HiGHS; for fleets over --exact-up-to peers, its linear relaxation,
 an upper bound, so the ratios printed are at most what they would be against the true optimum).
 For the first seed it also times the `/v1/swarm` view of the swarm (client/survey.py), on stderr.
-Usage: python scripts/sim_fleet.py --peers 100 --seeds 30 [--models llama-70b-int8,llama-70b-int4]
+With --churn-hours, each settled swarm then lives through that many simulated hours of crashes and
+arrivals (p2pfusion/sim/churn.py): its flow against the live fleet's LP bound every 10 minutes,
+and every stretch in which a layer went unserved.
+Usage: python scripts/sim_fleet.py --peers 100 --seeds 30 [--models llama-70b-int8,llama-70b-int4] [--churn-hours 2]
 """
 
 from __future__ import annotations
@@ -22,17 +25,30 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 
 from p2pfusion.client.survey import ModelView
 from p2pfusion.dht.records import ModelEntry
-from p2pfusion.sim.fleet import draw_fleet
+from p2pfusion.sim.churn import SESSION_MEDIAN, Timeline
+from p2pfusion.sim.fleet import draw_fleet, volunteer
 from p2pfusion.dht.flow import swarm_flow
 from p2pfusion.sim.optimum import best_placement
 from p2pfusion.sim.profiles import MODELS
 from p2pfusion.sim.swarm import built
 
+CHURN_SAMPLE = 600.0  # seconds of simulated time between samples of a churn trace
 
-def one_seed(peers: int, model, seed: int, exact_up_to: int) -> tuple[float, float, bool]:
+
+@dataclass
+class Seed:
+    joined: float  # the swarm's flow over the optimum's after every volunteer joined
+    settled: float  # ... and after rebalancing
+    exact: bool  # the optimum is the integer program's (else its relaxation's bound)
+    churned: list[float] = field(default_factory=list)  # sampled over the churn trace
+    gaps: list[float] = field(default_factory=list)  # seconds some layer went unserved, each time
+
+
+def one_seed(peers: int, model, seed: int, exact_up_to: int, churn_hours: float) -> Seed:
     rng = random.Random(seed)
     fleet = draw_fleet(peers, model, rng)
     swarm = built(fleet, model, rng)
@@ -43,7 +59,17 @@ def one_seed(peers: int, model, seed: int, exact_up_to: int) -> tuple[float, flo
         view_time(list(swarm.records.values()), model)
     best = best_placement([v.capacity for v in fleet], model.layers, relax=peers > exact_up_to)
     reference = best.found if best.exact else best.bound
-    return joined / reference, settled / reference, best.exact
+    result = Seed(joined / reference, settled / reference, best.exact)
+    if churn_hours > 0:
+        timeline = Timeline(swarm, lambda peer_id: volunteer(peer_id, model, rng))
+        timeline.start()
+
+        def sample(t: Timeline) -> None:
+            result.churned.append(t.flow() / best_placement(t.live_capacities(), model.layers, relax=True).bound)
+
+        timeline.run_until(churn_hours * 3600, CHURN_SAMPLE, sample)
+        result.gaps = timeline.gaps
+    return result
 
 
 def view_time(records: list, model) -> None:
@@ -57,25 +83,38 @@ def view_time(records: list, model) -> None:
           f"{1000 * (time.perf_counter() - t0) / runs:.1f} ms", file=sys.stderr)
 
 
+def report_churn(name: str, results: list[Seed], hours: float) -> None:
+    means = [statistics.mean(r.churned) for r in results]
+    lows = [min(r.churned) for r in results]
+    gaps = [g for r in results for g in r.gaps]
+    print(f"{name}, over {hours:g} h of churn (sessions: median {SESSION_MEDIAN / 3600:g} h), against the live "
+          f"fleet's LP bound every {CHURN_SAMPLE / 60:.0f} min: mean {statistics.mean(means):.3f} (worst seed's mean "
+          f"{min(means):.3f}, lowest sample {min(lows):.3f}); a layer unserved {len(gaps)} times, longest "
+          f"{max(gaps, default=0.0):.0f} s, {sum(gaps) / len(results):.0f} s per seed in all")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=30)
     parser.add_argument("--models", default="llama-70b-int8,llama-70b-int4")
+    parser.add_argument("--churn-hours", type=float, default=0.0, help="then volunteers come and go this long")
     parser.add_argument("--exact-up-to", type=int, default=20, help="largest fleet solved as an integer program")
     args = parser.parse_args()
     settled_all = []
     for name in args.models.split(","):
         model = MODELS[name]
         t0 = time.perf_counter()
-        results = [one_seed(args.peers, model, seed, args.exact_up_to) for seed in range(args.seeds)]
-        joined = [r[0] for r in results]
-        settled = [r[1] for r in results]
+        results = [one_seed(args.peers, model, seed, args.exact_up_to, args.churn_hours) for seed in range(args.seeds)]
+        joined = [r.joined for r in results]
+        settled = [r.settled for r in results]
         settled_all += settled
-        against = "the optimum" if all(r[2] for r in results) else "the optimum's LP bound"
+        against = "the optimum" if all(r.exact for r in results) else "the optimum's LP bound"
         print(f"{name}, {args.peers} peers, {args.seeds} seeds, against {against}: after joins mean "
               f"{statistics.mean(joined):.3f} (worst {min(joined):.3f}); after rebalancing mean "
               f"{statistics.mean(settled):.3f} (worst {min(settled):.3f}) [{time.perf_counter() - t0:.0f} s]")
+        if args.churn_hours > 0:
+            report_churn(name, results, args.churn_hours)
         sys.stdout.flush()
     print(f"{args.peers} peers, {args.seeds} seeds: mean {statistics.mean(settled_all):.2f}, "
           f"worst {min(settled_all):.2f} of the optimum")

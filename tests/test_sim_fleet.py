@@ -7,7 +7,8 @@ import pytest
 
 from p2pfusion.dht.flow import FlowRoom, max_flow, swarm_flow
 from p2pfusion.peer.balance import Capacity, layer_throughputs
-from p2pfusion.sim.fleet import draw_fleet
+from p2pfusion.sim.churn import Timeline
+from p2pfusion.sim.fleet import draw_fleet, volunteer
 from p2pfusion.sim.optimum import best_placement, enumerated_best
 from p2pfusion.sim.profiles import MODELS, ModelShape
 from p2pfusion.sim.swarm import built
@@ -73,3 +74,20 @@ def test_small_swarms_come_close_to_their_optimum():
         best = solved.found
         ratios.append(swarm_flow(swarm.records.values(), model.layers) / best if best else 1.0)
     assert min(ratios) >= 0.7 and sum(ratios) / len(ratios) >= 0.9
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_through_churn_no_layer_goes_unserved_for_a_minute(seed):
+    """Volunteers crash and newcomers arrive (sessions of a median 20 minutes, so an hour replaces
+    most of the fleet); the real policies keep every layer served, within the time a crashed
+    peer's record takes to expire plus a backup's or a mover's reaction."""
+    rng = random.Random(seed)
+    swarm = built(draw_fleet(20, SMALL, rng), SMALL, rng)
+    swarm.settle()
+    timeline = Timeline(swarm, lambda peer_id: volunteer(peer_id, SMALL, rng), session_median=1200.0)
+    timeline.start()
+    flows, sizes = [], []
+    timeline.run_until(3600.0, 300.0, lambda t: (flows.append(t.flow()), sizes.append(len(t.alive))))
+    assert len(flows) == 12 and min(flows) > 0 and 5 <= min(sizes) and max(sizes) <= 40
+    assert max(timeline.gaps, default=0.0) <= 60.0
+    assert set(timeline.serving) <= timeline.alive and timeline.alive <= set(swarm.records)

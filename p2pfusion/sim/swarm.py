@@ -41,7 +41,7 @@ class Swarm:
         records = list(self.records.values())
         placement = place_peer(records, self.model.layers, me.capacity, me.peer_id, near=self.near(me))
         state = PeerState.BACKUP if placement.backup else PeerState.ONLINE
-        self._set(me, placement.start, placement.end, state)
+        self.put(me, placement.start, placement.end, state)
 
     def leave(self, peer_id: str) -> None:
         self.records.pop(peer_id, None)
@@ -61,19 +61,24 @@ class Swarm:
             placement = place_peer(records, self.model.layers, me.capacity, peer_id, near=self.near(me))
             if placement.backup or (placement.start, placement.end) != (mine.start, mine.end):
                 return False
-            self._set(me, mine.start, mine.end, PeerState.ONLINE)
+            self.put(me, mine.start, mine.end, PeerState.ONLINE)
             return True
         move = plan_move(
             records, self.model.layers, mine, me.capacity, RELOAD_SECONDS_PER_LAYER, UPTIME, near=self.near(me)
         )
         if move is None:
             return False
-        self._set(me, move.start, move.end, PeerState.ONLINE)
+        self.put(me, move.start, move.end, PeerState.ONLINE)
         return True
 
-    def _set(self, me: Volunteer, start: int, end: int, state: PeerState) -> None:
+    def put(self, me: Volunteer, start: int, end: int, state: PeerState) -> None:
+        """The peer's record as it announces serving (or keeping warm) [start, end) in `state`."""
         record = me.record(self.model, start, end, state)
         self.records[me.peer_id] = replace(record, load=record.throughput if record.serving else 0.0)
+
+    def announce_move(self, peer_id: str, target: tuple[int, int]) -> None:
+        """The peer says it loads `target` while its present layers keep serving."""
+        self.records[peer_id] = replace(self.records[peer_id], moving_to=target)
 
 
 def built(fleet: list[Volunteer], model: ModelShape, rng: random.Random, geography: bool = True) -> Swarm:
