@@ -120,13 +120,9 @@ class Timeline:
         self._at(self.now + self._arrival_gap(), self._arrive)
         while (me := self.draw(f"v{next(self._ids)}")).capacity.max_layers < 1:
             pass
-        self.swarm.volunteers[me.peer_id] = me
         self.alive.add(me.peer_id)
         self.joined[me.peer_id] = self.now
-        placement = place_peer(list(self.swarm.records.values()), self.layers, me.capacity, me.peer_id,
-                               near=self.swarm.near(me))
-        state = PeerState.BACKUP if placement.backup else PeerState.JOINING
-        self.swarm.put(me, placement.start, placement.end, state)
+        placement = self.swarm.join(me, serving=PeerState.JOINING)
         self._load(me.peer_id, (placement.start, placement.end), online=not placement.backup)
         self._timers(me.peer_id)
 

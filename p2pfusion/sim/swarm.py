@@ -11,7 +11,7 @@ import random
 from dataclasses import dataclass, replace
 
 from p2pfusion.dht.records import PeerRecord, PeerState
-from p2pfusion.peer.balance import place_peer
+from p2pfusion.peer.balance import Placement, place_peer
 from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.sim.fleet import Volunteer, round_trip
 from p2pfusion.sim.profiles import ModelShape
@@ -36,12 +36,13 @@ class Swarm:
         probed = self.rng.sample(others, min(PROBED, len(others)))
         return {p: round_trip(me.region, self.volunteers[p].region) for p in probed}
 
-    def join(self, me: Volunteer) -> None:
+    def join(self, me: Volunteer, serving: PeerState = PeerState.ONLINE) -> Placement:
+        """The volunteer places itself; its record says `serving` (JOINING while it loads) or BACKUP."""
         self.volunteers[me.peer_id] = me
         records = list(self.records.values())
         placement = place_peer(records, self.model.layers, me.capacity, me.peer_id, near=self.near(me))
-        state = PeerState.BACKUP if placement.backup else PeerState.ONLINE
-        self.put(me, placement.start, placement.end, state)
+        self.put(me, placement.start, placement.end, PeerState.BACKUP if placement.backup else serving)
+        return placement
 
     def leave(self, peer_id: str) -> None:
         self.records.pop(peer_id, None)
