@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from p2pfusion.client.survey import ModelView
 from p2pfusion.dht.records import ModelEntry
 from p2pfusion.sim.churn import SESSION_MEDIAN, Timeline
-from p2pfusion.sim.fleet import draw_fleet, volunteer
+from p2pfusion.sim.fleet import draw_fleet, newcomer
 from p2pfusion.dht.flow import swarm_flow
 from p2pfusion.sim.optimum import best_placement
 from p2pfusion.sim.profiles import MODELS
@@ -61,7 +61,7 @@ def one_seed(peers: int, model, seed: int, exact_up_to: int, churn_hours: float)
     reference = best.found if best.exact else best.bound
     result = Seed(joined / reference, settled / reference, best.exact)
     if churn_hours > 0:
-        timeline = Timeline(swarm, lambda peer_id: volunteer(peer_id, model, rng))
+        timeline = Timeline(swarm, lambda peer_id: newcomer(peer_id, model, rng))
         timeline.start()
 
         def sample(t: Timeline) -> None:

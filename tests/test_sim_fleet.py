@@ -8,7 +8,7 @@ import pytest
 from p2pfusion.dht.flow import FlowRoom, max_flow, swarm_flow
 from p2pfusion.peer.balance import Capacity, layer_throughputs
 from p2pfusion.sim.churn import Timeline
-from p2pfusion.sim.fleet import draw_fleet, volunteer
+from p2pfusion.sim.fleet import draw_fleet, newcomer
 from p2pfusion.sim.optimum import best_placement, enumerated_best
 from p2pfusion.sim.profiles import MODELS, ModelShape
 from p2pfusion.sim.swarm import built
@@ -84,7 +84,7 @@ def test_through_churn_no_layer_goes_unserved_for_a_minute(seed):
     rng = random.Random(seed)
     swarm = built(draw_fleet(20, SMALL, rng), SMALL, rng)
     swarm.settle()
-    timeline = Timeline(swarm, lambda peer_id: volunteer(peer_id, SMALL, rng), session_median=1200.0)
+    timeline = Timeline(swarm, lambda peer_id: newcomer(peer_id, SMALL, rng), session_median=1200.0)
     timeline.start()
     flows, sizes = [], []
     timeline.run_until(3600.0, 300.0, lambda t: (flows.append(t.flow()), sizes.append(len(t.alive))))

@@ -44,7 +44,7 @@ SESSION_MEDIAN = 5400.0  # seconds: volunteers stay an hour and a half, half of 
 @dataclass
 class Timeline:
     swarm: Swarm
-    draw: Callable[[str], Volunteer]  # a newcomer, by peer id
+    draw: Callable[[str], Volunteer]  # a newcomer that can hold a layer, by peer id (fleet.newcomer)
     session_median: float = SESSION_MEDIAN
     now: float = 0.0
     serving: dict[str, tuple[int, int]] = field(default_factory=dict)  # loaded and live ranges
@@ -118,8 +118,7 @@ class Timeline:
 
     def _arrive(self) -> None:
         self._at(self.now + self._arrival_gap(), self._arrive)
-        while (me := self.draw(f"v{next(self._ids)}")).capacity.max_layers < 1:
-            pass
+        me = self.draw(f"v{next(self._ids)}")
         self.alive.add(me.peer_id)
         self.joined[me.peer_id] = self.now
         placement = self.swarm.join(me, serving=PeerState.JOINING)

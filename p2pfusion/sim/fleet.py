@@ -42,11 +42,12 @@ def volunteer(peer_id: str, model: ModelShape, rng: random.Random) -> Volunteer:
     return Volunteer(peer_id, device, link, rng.randrange(REGIONS), capacity)
 
 
+def newcomer(peer_id: str, model: ModelShape, rng: random.Random) -> Volunteer:
+    """A volunteer that can hold at least one layer (a device too small to is not a peer)."""
+    while (candidate := volunteer(peer_id, model, rng)).capacity.max_layers < 1:
+        pass
+    return candidate
+
+
 def draw_fleet(peers: int, model: ModelShape, rng: random.Random) -> list[Volunteer]:
-    """`peers` volunteers that can hold at least one layer (a device too small to is not a peer)."""
-    fleet: list[Volunteer] = []
-    while len(fleet) < peers:
-        candidate = volunteer(f"v{len(fleet)}", model, rng)
-        if candidate.capacity.max_layers >= 1:
-            fleet.append(candidate)
-    return fleet
+    return [newcomer(f"v{i}", model, rng) for i in range(peers)]
