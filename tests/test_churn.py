@@ -208,3 +208,34 @@ def test_a_peer_that_moves_away_and_back_is_used_again(tiny_models):
     tokens, state = uvloop.run(scenario())
     assert tokens == _reference(source, ids, 12)
     assert state == PeerState.ONLINE
+
+
+def test_a_session_opening_on_a_crashed_peers_stage_goes_through_its_warm_backup(tiny_models):
+    """A peer crashes and its record still says online. A client that opens a session now finds
+    it silent; the stage's warm backup, not promoted yet, serves the session, and the tokens are
+    transformers' own (before, opening failed until the backup promoted)."""
+    source = tiny_models["llama"]
+    ids = [5, 17, 42, 99, 3]
+
+    async def scenario():
+        async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
+            backup = await start_peer(source, maddrs, (2, 4), backup=True)
+            try:
+                crashed = peers.pop()
+                await crashed.server.stop()  # no goodbye: its record stays online until it expires
+                await crashed.swarm.shutdown()
+                client = await join_swarm(maddrs, client_mode=True)
+                try:
+                    model = RemoteCausalLM.build(source, client)
+                    result = await model.generate(ids, 8, stop_at_eos=False, decode=False)
+                finally:
+                    await client.shutdown()
+                return result, backup.record.state
+            finally:
+                await stop_peer(backup)
+
+    result, state = uvloop.run(scenario())
+    with torch.no_grad():
+        expected = reference_model(source).generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
+    assert result.token_ids == expected[0, len(ids):].tolist()
+    assert state == PeerState.BACKUP  # nobody promoted it: the client routed through a warm backup

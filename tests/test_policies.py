@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from p2pfusion.client.route.health import BAN_MAX, HINT_MAX, PeerHealth
 from p2pfusion.client.generate.local_layers import local_boundary
-from p2pfusion.client.route.planner import find_route, longest_session, missing_layers
+from p2pfusion.client.route.planner import find_route, gaps_closing, longest_session, missing_layers
 from p2pfusion.client.route.pieces import MIN_CHUNK_TOKENS, chunk_sizes
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RequestError, RouteError
@@ -61,6 +61,18 @@ def test_a_route_from_a_first_layer_ignores_the_layers_before_it():
         find_route(records, 10, first=3)
     # the peer accepting 8 tokens serves only layers a session from layer 2 runs itself
     assert longest_session(records, 10, 4096) == 8 and longest_session(records, 10, 4096, first=2) == 2048
+
+
+def test_a_session_waits_for_a_gap_only_while_peers_are_loading_its_layers():
+    served = [rec(0, 4), rec(4, 8)]
+    assert not gaps_closing(served, 8)  # no gap: nothing to wait for
+    assert not gaps_closing([rec(0, 4)], 8)  # nobody comes for 4:8: fail at once
+    assert gaps_closing([rec(0, 4), rec(4, 8, PeerState.JOINING)], 8)
+    assert gaps_closing([rec(0, 4), rec(4, 8, PeerState.BACKUP)], 8)
+    assert gaps_closing([rec(0, 4), rec(0, 4, name="mover", moving_to=(4, 8))], 8)
+    assert not gaps_closing([rec(0, 4), rec(4, 6, PeerState.JOINING)], 8)  # 6:8 still nobody's
+    assert not gaps_closing([rec(0, 4), rec(4, 8, PeerState.JOINING, name="x")], 8, banned={"x"})
+    assert gaps_closing([rec(0, 2), rec(4, 8, PeerState.JOINING)], 8, first=4)  # layers before 4 run locally
 
 
 def test_the_local_boundary_is_the_first_stage_start_at_or_after_k_with_a_route():

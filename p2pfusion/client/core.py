@@ -27,10 +27,10 @@ from p2pfusion.client.checks.verifier import Verifier
 from p2pfusion.client.options import ClientOptions
 from p2pfusion.client.route.access import SwarmAccess
 from p2pfusion.client.route.catalog import describe
-from p2pfusion.client.route.failover import ResilientSession
+from p2pfusion.client.route.failover import FAILOVER_TIMEOUT, GAP_POLL, ResilientSession
 from p2pfusion.client.route.health import PeerHealth, load_observed, save_observed
 from p2pfusion.client.route.params import SessionParams
-from p2pfusion.client.route.planner import longest_session
+from p2pfusion.client.route.planner import gaps_closing, longest_session
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.errors import ModelError, RequestError, RouteError
 from p2pfusion.models.source import ModelSource, model_shape, resolve_model
@@ -173,11 +173,19 @@ class ClientCore:
         the model's positions, or less where the peers of every route accept less."""
 
         async def read() -> int:
-            access = self.access()
-            records = await access.records(first)
-            limit = longest_session(
-                records, self.num_layers, self.max_positions, banned=self.health.banned(records), first=first
-            )
+            deadline = time.monotonic() + FAILOVER_TIMEOUT
+            while True:
+                access = self.access()
+                records = await access.records(first)
+                banned = self.health.banned(records)
+                try:
+                    limit = longest_session(records, self.num_layers, self.max_positions, banned=banned, first=first)
+                    break
+                except RouteError as exc:
+                    if not gaps_closing(records, self.num_layers, banned, first) or time.monotonic() > deadline:
+                        raise
+                    access.notice("coming", f"{exc}; peers are getting ready to serve them: waiting up to {FAILOVER_TIMEOUT:.0f} s")
+                    await asyncio.sleep(GAP_POLL)
             if first == 0:
                 self._swarm_limit = limit
             return limit

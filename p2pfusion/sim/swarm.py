@@ -47,7 +47,7 @@ class Swarm:
     def leave(self, peer_id: str) -> None:
         self.records.pop(peer_id, None)
 
-    def settle(self, rounds: int = 10) -> int:
+    def settle(self, rounds: int = 30) -> int:
         """Rounds of every peer's upkeep, in random order, until nobody moved; how many ran."""
         for done in range(1, rounds + 1):
             if not any([self._upkeep(peer_id) for peer_id in self.rng.sample(list(self.records), len(self.records))]):

@@ -28,7 +28,7 @@ from p2pfusion.client.route.allowlist import TrustedGap
 from p2pfusion.client.route.claims import FalseClaim
 from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.pings import SCREEN_CONCURRENCY
-from p2pfusion.client.route.planner import expected_throughput, find_route, pinned, usable
+from p2pfusion.client.route.planner import expected_throughput, find_route, gaps_closing, pinned, usable
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 
 FAILOVER_TIMEOUT = 120.0  # how long a session waits for the swarm to cover its layers again
 RETRY_DELAY = 0.5
+GAP_POLL = 2.0  # seconds between reads of the records while peers load a session's missing layers
 AVOID_SECONDS = 30.0  # a leaving peer's record says so within a record's lifetime
 MIN_STEP_TIMEOUT = 10.0
 LONG_STEP_TIMEOUT = 120.0
@@ -81,6 +82,8 @@ class ResilientSession:
     async def connect(self, recovering: bool) -> None:
         deadline = time.monotonic() + FAILOVER_TIMEOUT
         last: Exception | None = None
+        records: list[PeerRecord] = []
+        avoid: set[str] = set()
         while True:
             delay = RETRY_DELAY
             try:
@@ -109,7 +112,11 @@ class ResilientSession:
             except RouteError as exc:
                 room = access.health.room_at()
                 if not recovering and room is None:
-                    raise
+                    # the route's search may have banned peers that did not answer a ping
+                    if not gaps_closing(records, access.num_layers, avoid | access.health.banned(records), self.first):
+                        raise
+                    access.notice("coming", f"{exc}; peers are getting ready to serve them: waiting up to {FAILOVER_TIMEOUT:.0f} s")
+                    recovering, last = True, exc  # a warm backup may serve meanwhile
                 if room is not None:  # every route needs a busy peer: wait for the first to have room
                     delay = max(room - time.monotonic(), RETRY_DELAY)
                     why = "" if self._busy is None else f" ({self._busy})"

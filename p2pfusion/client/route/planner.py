@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping
 
+from p2pfusion.dht.coverage import planned
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
 from p2pfusion.errors import PromptTooLong, RouteError
 
@@ -56,6 +57,21 @@ def pinned(records: list[PeerRecord], peer_id: str) -> list[PeerRecord]:
 def missing_layers(records: list[PeerRecord], num_layers: int, first: int = 0) -> list[tuple[int, int]]:
     """Ranges [start, end) from layer `first` on that none of these peers serves."""
     return _ranges([not ok for ok in _covered(records, num_layers, first)])
+
+
+def gaps_closing(records: list[PeerRecord], num_layers: int, banned: Collection[str] = (), first: int = 0) -> bool:
+    """Do peers already make ready every layer from `first` on that online peers (less `banned`)
+    leave unserved: warm backups, joining peers loading them, peers announcing a move there? A
+    session about to open then waits for them, as one in progress does; with no peer coming it
+    fails at once, naming the layers."""
+    online = usable(records, banned)
+    if not missing_layers(online, num_layers, first):
+        return False
+    coming = [
+        planned(r) for r in records
+        if r.peer_id not in banned and (r.state in (PeerState.BACKUP, PeerState.JOINING) or r.moving_to is not None)
+    ]
+    return not missing_layers(online + coming, num_layers, first)
 
 
 def format_ranges(ranges: list[tuple[int, int]]) -> str:
