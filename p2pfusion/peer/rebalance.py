@@ -93,7 +93,7 @@ def _evened(before: list[float], after: list[float], least: float) -> float:
 
     Many layers share the bottleneck in a large swarm, so no single move raises the flow; lifting
     one group of them off it lets the next move raise the flow (a hundred int8 volunteers went
-    from 0.85 to 0.90 of the LP bound with it, docs/benchmarks.md). Differences within `least`
+    from 0.90 to 0.94 of the LP bound with it, docs/benchmarks.md). Differences within `least`
     are ties, else a move would have to lift every layer level with the bottleneck at once. The
     logarithms' sum, which every accepted move raises, rules out peers moving in a circle."""
     if min(before, default=0.0) <= 0:
