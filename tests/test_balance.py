@@ -1,6 +1,7 @@
 """Load balancing, rebalancing and backup promotion: pure functions, on many swarm shapes."""
 
 import math
+from dataclasses import replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,8 +10,8 @@ from p2pfusion.dht.flow import swarm_flow
 from p2pfusion.dht.records import PeerState
 from p2pfusion.peer.backup import lost_servers, promotion_rank, replaced
 from p2pfusion.peer.balance import (
-    Capacity, Placement, bottleneck, choose_model, choose_range, layer_throughputs, place_peer, reclaim, unguarded_gap, with_peer,
-    yields_to,
+    Capacity, Placement, backup_stage, bottleneck, choose_model, choose_range, layer_replicas, layer_throughputs, place_peer,
+    reclaim, unguarded_gap, with_peer, yields_to,
 )
 from p2pfusion.peer.rebalance import plan_move
 from tests.policy_records import rec
@@ -138,6 +139,42 @@ def test_backups_go_to_the_stage_most_at_risk_when_throughput_suffices():
     records.append(rec(0, 6, PeerState.BACKUP, name="new"))
     second = place_peer(records, L, me, "newer")
     assert second.backup and (second.start, second.end) == (6, 12)
+
+
+def test_backups_that_piled_onto_one_stage_spread_as_many_as_even_it():
+    """Joiners that came at once all kept 0:6 warm. Of its five backups, the two that would promote
+    last move to 6:12 (5 + 1 replicas against 1 + 1); once one has announced its move, one more."""
+    records = [rec(0, 6, name="a"), rec(6, 12, name="b")]
+    backups = [rec(0, 6, PeerState.BACKUP, throughput=t, name=n) for n, t in (("k1", 3.0), ("k2", 1.0), ("k3", 2.0), ("k4", 1.0), ("k5", 5.0))]
+    records += backups
+    moving = {r.peer_id: backup_stage(records, L, r, 6) for r in backups}
+    assert moving == {"k1": None, "k2": (6, 12), "k3": None, "k4": (6, 12), "k5": None}
+    # k2 then k4 are last in promotion order: slowest first, then the higher peer id
+    assert [promotion_rank(backups, r) for r in backups] == [1, 3, 2, 4, 0]
+    records = [r if r.peer_id != "k4" else replace(r, moving_to=(6, 12)) for r in records]
+    assert {r.peer_id: backup_stage(records, L, r, 6) for r in backups if r.peer_id != "k4"} == {
+        "k1": None, "k2": (6, 12), "k3": None, "k5": None,
+    }
+    # a backup of the stage most at risk, or of a stage one replica ahead, stays
+    assert backup_stage([rec(0, 6), rec(6, 12), rec(0, 6, PeerState.BACKUP, name="x")], L,
+                        rec(0, 6, PeerState.BACKUP, name="x"), 6) is None
+
+
+@given(spans, st.lists(st.tuples(st.integers(0, L - 1), st.integers(1, 6), st.floats(0.5, 5.0)), max_size=8))
+def test_backups_moving_never_widen_the_spread_of_replicas(raw, raw_backups):
+    serving = records_of(raw)
+    backups = [rec(a, min(a + k, L), PeerState.BACKUP, throughput=t, name=f"k{i}") for i, (a, k, t) in enumerate(raw_backups)]
+    records = serving + backups
+    states = (PeerState.ONLINE, PeerState.JOINING, PeerState.BACKUP)
+    for me in backups:
+        target = backup_stage(records, L, me, L)
+        if target is None:
+            continue
+        moved = [r if r.peer_id != me.peer_id else replace(r, start=target[0], end=target[1]) for r in records]
+        before, after = layer_replicas(records, L, states), layer_replicas(moved, L, states)
+        # its own stage keeps more replicas than the stage it goes to had
+        assert min(after[me.start:me.end]) > min(before[target[0]:target[1]])
+        assert min(after[target[0]:target[1]]) == min(before[target[0]:target[1]]) + 1
 
 
 def test_demand_makes_a_joining_peer_serve_instead_of_waiting():

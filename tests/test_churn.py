@@ -239,3 +239,46 @@ def test_a_session_opening_on_a_crashed_peers_stage_goes_through_its_warm_backup
         expected = reference_model(source).generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
     assert result.token_ids == expected[0, len(ids):].tolist()
     assert state == PeerState.BACKUP  # nobody promoted it: the client routed through a warm backup
+
+
+def test_backups_piled_onto_one_stage_spread_and_the_moved_one_takes_over(tiny_models):
+    """Two backups joined when 0:2 was the stage most at risk; then 2:4 lost one of its two peers.
+    The backup that would promote last keeps 2:4 warm instead, and when 2:4 loses its last peer it
+    takes over: a session through it computes transformers' logits."""
+    source = tiny_models["llama"]
+    ids = [3, 17, 42, 99]
+
+    async def scenario():
+        async with running_peers(source, [(0, 2), (2, 4), (2, 4)]) as ([_, second, third], maddrs):
+            backups = [await start_peer(source, maddrs, None, backup=True, max_layers=2) for _ in range(2)]
+            try:
+                assert [(b.record.start, b.record.end) for b in backups] == [(0, 2), (0, 2)]
+                await third.leave()
+                upkeeps = [Upkeep(b) for b in backups]
+                for upkeep in upkeeps:
+                    await upkeep.rebalance()
+                places = {b.record.peer_id: (b.record.start, b.record.end, b.record.state) for b in backups}
+                (moved,) = [b for b in backups if b.record.start == 2]
+                await upkeeps[backups.index(moved)].watch()  # it sees 2:4 served
+                await second.leave()
+                await upkeeps[backups.index(moved)].watch()
+                client = await join_swarm(maddrs, client_mode=True)
+                try:
+                    model = RemoteCausalLM.build(source, client, verify=0.0)
+                    session = await model.open_session(8)
+                    logits = model.logits(await session.step(model.embed(ids)))
+                    await session.close()
+                finally:
+                    await client.shutdown()
+                return places, moved.record.peer_id, moved.record.state, logits
+            finally:
+                for peer in backups:
+                    await stop_peer(peer)
+
+    places, moved, state, logits = uvloop.run(scenario())
+    last = max(places)  # equal speeds: the higher peer id promotes last
+    assert places == {p: ((2, 4) if p == last else (0, 2)) + (PeerState.BACKUP,) for p in places}
+    assert moved == last and state == PeerState.ONLINE  # the only peer of 2:4 left: it served the session
+    with torch.no_grad():
+        expected = reference_model(source)(torch.tensor([ids])).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

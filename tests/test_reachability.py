@@ -110,11 +110,12 @@ def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_p
         try:
             _wait_for_layers(maddrs, [[0, 2], [2, 4]])
             os.kill(second.pid, signal.SIGSTOP)
-            shown = subprocess.run([*CLI, "swarm", "--initial-peers", maddrs[0], "--json"],
-                                   capture_output=True, text=True, timeout=120)
-            table = subprocess.run([*CLI, "swarm", "--initial-peers", maddrs[0]], capture_output=True, text=True, timeout=120)
-            infer = subprocess.run([*CLI, "infer", "--model", model, "--initial-peers", maddrs[0], "hi"],
-                                   capture_output=True, text=True, timeout=120)
+            # the three wait on the same frozen peer's timeouts: at once, they wait once
+            shown, table, infer = _all_at_once(
+                [*CLI, "swarm", "--initial-peers", maddrs[0], "--json"],
+                [*CLI, "swarm", "--initial-peers", maddrs[0]],
+                [*CLI, "infer", "--model", model, "--initial-peers", maddrs[0], "hi"],
+            )
         finally:
             os.kill(second.pid, signal.SIGKILL)
             second.communicate()
@@ -126,6 +127,17 @@ def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_p
     assert "unreachable" in table.stdout and "listed peers claim 2:4, but cannot be reached" in table.stdout, table.stdout
     last = infer.stderr.strip().splitlines()[-1]
     assert infer.returncode != 0 and "no peer serves layers 2:4" in last and frozen[0]["peer_id"] in last, infer.stderr
+
+
+def _all_at_once(*commands: list[str]) -> list[subprocess.CompletedProcess]:
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
+    try:
+        outputs = [p.communicate(timeout=120) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 async def _records(maddrs):

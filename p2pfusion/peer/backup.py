@@ -34,8 +34,8 @@ def promotion_rank(records: list[PeerRecord], me: PeerRecord) -> int:
     """My place among the backups of my stage: 0 promotes first."""
     candidates = [
         r for r in records
-        if r.state == PeerState.BACKUP and (r.start, r.end) == (me.start, me.end)
-    ]
+        if r.state == PeerState.BACKUP and (r.start, r.end) == (me.start, me.end) and r.moving_to is None
+    ]  # a backup announcing a move to another stage is not waited for
     if me.peer_id not in {r.peer_id for r in candidates}:
         candidates.append(me)
     ordered = sorted(candidates, key=lambda r: (-r.compute_rate, r.peer_id))

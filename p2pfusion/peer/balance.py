@@ -157,6 +157,29 @@ def stage_most_at_risk(records: list[PeerRecord], num_layers: int, max_layers: i
     return min(stages, key=lambda s: (min(replicas[s[0]:s[1]]), round(min(totals[s[0]:s[1]]), PRECISION), s))
 
 
+def backup_stage(records: list[PeerRecord], num_layers: int, me: PeerRecord, max_layers: int) -> tuple[int, int] | None:
+    """The stage a warm backup should keep warm instead of its own, or None: the stage most at
+    risk (`stage_most_at_risk`), when it has at least two replicas fewer than the backup's stage.
+
+    Peers that join at once all see the same stage most at risk and pile onto it. Of a stage's
+    backups, half the difference go, those that would promote last (every backup ranks them alike,
+    so no more go than the difference needs); a backup that announced its move counts where it goes.
+    """
+    target = stage_most_at_risk(records, num_layers, max_layers)
+    if target is None or target == (me.start, me.end):
+        return None
+    replicas = layer_replicas(records, num_layers, (PeerState.ONLINE, PeerState.JOINING, PeerState.BACKUP))
+    excess = (min(replicas[me.start:me.end]) - min(replicas[target[0]:target[1]])) // 2
+    if excess < 1:
+        return None
+    mine = [r for r in map(planned, records) if r.state == PeerState.BACKUP and (r.start, r.end) == (me.start, me.end)]
+    mine = [r for r in mine if r.peer_id != me.peer_id] + [me]
+    # the reverse of the order in which backups promote (peer/backup.py's promotion_rank)
+    last_first = sorted(mine, key=lambda r: (-r.compute_rate, r.peer_id), reverse=True)
+    leaving = {r.peer_id for r in last_first[:excess]}
+    return target if me.peer_id in leaving else None
+
+
 @dataclass(frozen=True)
 class JoinPolicy:
     # Once routes cover every layer, a newcomer serves only if it raises what they carry (the

@@ -228,13 +228,14 @@ class Peer:
             )
         self.record = PeerRecord(
             model=self.model, peer_id=self.swarm.peer_id, maddrs=reachable.maddrs,
-            start=placement.start, end=placement.end, state=PeerState.JOINING,
+            # a backup's claim adds no capacity while it loads, as after: others must not plan on it
+            start=placement.start, end=placement.end, state=PeerState.BACKUP if placement.backup else PeerState.JOINING,
             compute_rate=bench.decode_rate, network_rate=network_rate, device=f"{self.options.device} ({bench.device_name})",
             batch_rate=bench.batch_rate, rtt=rtt, data_addrs=reachable.data_addrs,
             session_limit=self.options.session_limit, since=time.time(), weights=self.format.value, train_run=self.options.train,
         )
         await self.announce()
-        if self.options.layers is None:
+        if self.options.layers is None and not placement.backup:
             placement = await self._settle(placement)
         free = self._room()  # before the weights take their part
         stage = await self.load(placement.start, placement.end)
@@ -323,7 +324,9 @@ class Peer:
                 placement.start, placement.end, again.start, again.end, " as a backup" if again.backup else "",
             )
             placement = again
-            await self.announce(start=again.start, end=again.end)
+            await self.announce(start=again.start, end=again.end, state=PeerState.BACKUP if again.backup else PeerState.JOINING)
+            if again.backup:
+                break  # a backup claims no capacity: nobody yields to it, nor it to anybody
         return placement
 
     async def load(self, start: int, end: int):
@@ -348,9 +351,11 @@ class Peer:
             source = self.options.source
             await self.swarm.announce_model(ModelEntry(self.model, source.name, self.num_layers, self.config.hidden_size))
 
-    async def move(self, start: int, end: int, overlap: bool) -> None:
-        """Serve [start, end) instead. With `overlap`, the old range serves until the new one is loaded."""
+    async def move(self, start: int, end: int, overlap: bool, state: PeerState = PeerState.ONLINE) -> None:
+        """Serve [start, end) instead, or with `state` BACKUP keep it warm instead. With `overlap`,
+        the old range serves until the new one is loaded; a backup's serves nobody, so it always does."""
         old = (self.record.start, self.record.end)
+        overlap = overlap or state == PeerState.BACKUP
         log.info("moving from layers %d:%d to %d:%d (%s)", *old, start, end, "overlapped" if overlap else "with a gap")
         if overlap:
             await self.announce(moving_to=(start, end))
@@ -360,7 +365,7 @@ class Peer:
         stage = await self.load(start, end)
         self.server.stage = stage  # sessions opened on the old layers finish there
         self.server.draining = False
-        await self.announce(start=start, end=end, state=PeerState.ONLINE, moving_to=None)
+        await self.announce(start=start, end=end, state=state, moving_to=None)
 
     async def leave(self) -> None:
         """Announce offline first, so clients route around this peer, then let sessions finish."""

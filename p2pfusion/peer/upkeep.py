@@ -13,7 +13,8 @@
 - Heal (every 15 s): ping the known peers that the DHT's routing table lost (`SwarmNode.heal`),
   so that a node whose table emptied (after a flood, say) does not stay cut off from the swarm.
 - Rebalance (every couple of minutes, with random jitter so peers do not all move at once): move
-  when the cost model says the swarm gains more than the reload costs.
+  when the cost model says the swarm gains more than the reload costs; a backup keeps another
+  stage warm when that stage has far fewer replicas than its own (balance.backup_stage).
 Each move is re-checked against fresh records after a random delay: another peer may have acted.
 """
 
@@ -32,7 +33,7 @@ from p2pfusion.peer.backup import (
     replaced,
     stage_servers,
 )
-from p2pfusion.peer.balance import layer_throughputs, place_peer, unguarded_gap
+from p2pfusion.peer.balance import backup_stage, layer_throughputs, place_peer, unguarded_gap
 from p2pfusion.peer.limits import token_bytes
 from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.peer.runtime import Peer
@@ -75,6 +76,8 @@ class Upkeep:
         self.peer = peer
         self.tasks: list[asyncio.Task] = []
         self._stage_before: set[str] | None = None
+        # held while a backup promotes itself or moves to another stage: never both at once
+        self._stage_change = asyncio.Lock()
         self._tokens = 0
         self._tick = time.monotonic()
         self._reported = (0, 0, time.monotonic())  # sessions opened, tokens done, when: at the last report
@@ -170,6 +173,12 @@ class Upkeep:
             await self._maybe_move(min_gain=0.0)
 
     async def _watch_stage(self, records: list[PeerRecord], gone: set[str]) -> None:
+        if self._stage_change.locked():
+            return  # moving to another stage: the one watched so far is no longer this backup's
+        async with self._stage_change:
+            await self._promote_if_lost(records, gone)
+
+    async def _promote_if_lost(self, records: list[PeerRecord], gone: set[str]) -> None:
         mine = self.peer.record
         before, self._stage_before = self._stage_before, stage_servers(records, mine.start, mine.end, gone)
         uncovered = min(layer_throughputs(records, self.peer.num_layers)[mine.start:mine.end]) <= 0
@@ -200,8 +209,29 @@ class Upkeep:
             if not placement.backup and (placement.start, placement.end) == (mine.start, mine.end):
                 log.info("demand needs this backup's stage: serving it")
                 await self.peer.announce(state=PeerState.ONLINE)
+            elif placement.backup:
+                await self._maybe_spread()
         elif mine.state == PeerState.ONLINE:
             await self._maybe_move(min_gain=0.05)
+
+    async def _maybe_spread(self) -> None:
+        """Keep another stage warm when it has far fewer replicas than this backup's (balance.backup_stage),
+        now and again after a jittered pause, as a move."""
+        if self.peer.options.layers is not None:
+            return  # the user chose this stage
+        for attempt in range(2):
+            records, _ = await self._snapshot()
+            target = backup_stage(records, self.peer.num_layers, self.peer.record, self.peer.capacity.max_layers)
+            if target is None:
+                return
+            if attempt == 0:
+                await asyncio.sleep(random.uniform(0, GAP_JITTER))
+        if self._stage_change.locked() or self.peer.record.state != PeerState.BACKUP:
+            return  # it is promoting itself meanwhile
+        async with self._stage_change:
+            log.info("stage %d:%d has far fewer replicas than this backup's: keeping it warm instead", *target)
+            await self.peer.move(*target, overlap=True, state=PeerState.BACKUP)
+            self._stage_before = None  # the servers watched were those of the old stage
 
     async def _maybe_move(self, min_gain: float) -> None:
         """Move if the cost model says so, now and again after a jittered pause."""
