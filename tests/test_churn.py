@@ -282,3 +282,38 @@ def test_backups_piled_onto_one_stage_spread_and_the_moved_one_takes_over(tiny_m
     with torch.no_grad():
         expected = reference_model(source)(torch.tensor([ids])).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+def test_a_serving_peer_moves_to_a_gap_nobody_guards(tiny_models):
+    """Layers 2:4 lose their only peer, with no backup: the peer that shares 0:2 with a slower one
+    moves there (its watch), and a session through the two computes transformers' logits."""
+    source = tiny_models["llama"]
+    ids = [3, 17, 42, 99]
+
+    async def scenario():
+        async with running_peers(source, [(0, 2)], throughput="10") as (_, maddrs):
+            last = await start_peer(source, maddrs, (2, 4), throughput="1000")
+            mover = await start_peer(source, maddrs, None, max_layers=2)  # 0:2 is the bottleneck
+            try:
+                placed = (mover.record.start, mover.record.end)
+                upkeep = Upkeep(mover)
+                await last.leave()
+                await upkeep.watch()
+                client = await join_swarm(maddrs, client_mode=True)
+                try:
+                    model = RemoteCausalLM.build(source, client, verify=0.0)
+                    session = await model.open_session(8)
+                    logits = model.logits(await session.step(model.embed(ids)))
+                    await session.close()
+                finally:
+                    await client.shutdown()
+                return placed, (mover.record.start, mover.record.end, mover.record.state), logits
+            finally:
+                await stop_peer(mover)
+                await stop_peer(last)
+
+    placed, now, logits = uvloop.run(scenario())
+    assert placed == (0, 2) and now == (2, 4, PeerState.ONLINE)
+    with torch.no_grad():
+        expected = reference_model(source)(torch.tensor([ids])).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

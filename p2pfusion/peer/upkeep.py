@@ -200,8 +200,7 @@ class Upkeep:
         mine = self.peer.record
         if mine.state == PeerState.BACKUP:
             records, _ = await self._snapshot()
-            # on a worker thread, as below: in a large swarm the flow bounds take tens of ms,
-            # which the loop relaying sessions' frames should not wait for
+            # on a worker thread, as in _decided_twice
             placement = await asyncio.to_thread(
                 place_peer, records, self.peer.num_layers, self.peer.capacity, mine.peer_id,
                 near=self.peer.links.round_trips(),
@@ -215,38 +214,42 @@ class Upkeep:
             await self._maybe_move(min_gain=0.05)
 
     async def _maybe_spread(self) -> None:
-        """Keep another stage warm when it has far fewer replicas than this backup's (balance.backup_stage),
-        now and again after a jittered pause, as a move."""
+        """Keep another stage warm when it has far fewer replicas than this backup's (balance.backup_stage)."""
         if self.peer.options.layers is not None:
             return  # the user chose this stage
-        for attempt in range(2):
-            records, _ = await self._snapshot()
-            target = backup_stage(records, self.peer.num_layers, self.peer.record, self.peer.capacity.max_layers)
-            if target is None:
-                return
-            if attempt == 0:
-                await asyncio.sleep(random.uniform(0, GAP_JITTER))
-        if self._stage_change.locked() or self.peer.record.state != PeerState.BACKUP:
-            return  # it is promoting itself meanwhile
+        peer = self.peer
+        target = await self._decided_twice(lambda records: backup_stage(records, peer.num_layers, peer.record, peer.capacity.max_layers))
+        if target is None or self._stage_change.locked() or peer.record.state != PeerState.BACKUP:
+            return  # nowhere to go, or it is promoting itself meanwhile
         async with self._stage_change:
             log.info("stage %d:%d has far fewer replicas than this backup's: keeping it warm instead", *target)
-            await self.peer.move(*target, overlap=True, state=PeerState.BACKUP)
+            await peer.move(*target, overlap=True, state=PeerState.BACKUP)
             self._stage_before = None  # the servers watched were those of the old stage
 
     async def _maybe_move(self, min_gain: float) -> None:
-        """Move if the cost model says so, now and again after a jittered pause."""
+        """Move if the cost model says so."""
         if self.peer.options.layers is not None or self.peer.options.train is not None:
             return  # the user chose these layers, or this replica's weights are trained where they are
+        peer = self.peer
+        move = await self._decided_twice(lambda records: plan_move(
+            records, peer.num_layers, peer.record, peer.capacity, peer.reload_seconds_per_layer,
+            time.monotonic() - peer.started, min_gain, peer.links.round_trips(),
+        ))
+        if move is None:
+            return
+        log.info("rebalancing: gain %.2f, benefit %.0f tokens, cost %.0f tokens", move.gain, move.benefit, move.cost)
+        await peer.move(move.start, move.end, move.overlap)
+
+    async def _decided_twice(self, decide):
+        """What `decide` (a pure policy of fresh records) says now and again after a jittered pause,
+        or None if either time it says None: another peer may have acted meanwhile. On a worker
+        thread: in a large swarm the flow bounds take tens of ms, which the loop relaying sessions'
+        frames should not wait for."""
         for attempt in range(2):
             records, _ = await self._snapshot()
-            move = await asyncio.to_thread(
-                plan_move, records, self.peer.num_layers, self.peer.record, self.peer.capacity,
-                self.peer.reload_seconds_per_layer, time.monotonic() - self.peer.started, min_gain,
-                self.peer.links.round_trips(),
-            )
-            if move is None:
-                return
+            choice = await asyncio.to_thread(decide, records)
+            if choice is None:
+                return None
             if attempt == 0:
                 await asyncio.sleep(random.uniform(0, GAP_JITTER))
-        log.info("rebalancing: gain %.2f, benefit %.0f tokens, cost %.0f tokens", move.gain, move.benefit, move.cost)
-        await self.peer.move(move.start, move.end, move.overlap)
+        return choice
