@@ -38,6 +38,19 @@ async def _generate(source, maddrs, ids, on_token):
         await client.shutdown()
 
 
+async def _prompt_logits(source, maddrs, ids, verify=None):
+    """The logits a new client gets for `ids` through the swarm, in one step of a session."""
+    client = await join_swarm(maddrs, client_mode=True)
+    try:
+        model = RemoteCausalLM.build(source, client) if verify is None else RemoteCausalLM.build(source, client, verify=verify)
+        session = await model.open_session(8)
+        logits = model.logits(await session.step(model.embed(ids)))
+        await session.close()
+        return logits
+    finally:
+        await client.shutdown()
+
+
 async def _states(maddrs, model):
     client = await join_swarm(maddrs, client_mode=True)
     try:
@@ -132,14 +145,7 @@ def test_one_backup_promotes_when_its_stage_loses_its_peer(tiny_models):
                     await active.leave()
                     await asyncio.sleep(8.0)  # rank 0 acts at once, rank 1 three seconds later
                     states = sorted(b.record.state.value for b in backups)
-                    client = await join_swarm(maddrs, client_mode=True)
-                    try:
-                        model = RemoteCausalLM.build(source, client)
-                        session = await model.open_session(8)
-                        logits = model.logits(await session.step(model.embed(ids)))
-                        await session.close()
-                    finally:
-                        await client.shutdown()
+                    logits = await _prompt_logits(source, maddrs, ids)
             finally:
                 for peer in backups:
                     await stop_peer(peer)
@@ -262,14 +268,7 @@ def test_backups_piled_onto_one_stage_spread_and_the_moved_one_takes_over(tiny_m
                 await upkeeps[backups.index(moved)].watch()  # it sees 2:4 served
                 await second.leave()
                 await upkeeps[backups.index(moved)].watch()
-                client = await join_swarm(maddrs, client_mode=True)
-                try:
-                    model = RemoteCausalLM.build(source, client, verify=0.0)
-                    session = await model.open_session(8)
-                    logits = model.logits(await session.step(model.embed(ids)))
-                    await session.close()
-                finally:
-                    await client.shutdown()
+                logits = await _prompt_logits(source, maddrs, ids, verify=0.0)
                 return places, moved.record.peer_id, moved.record.state, logits
             finally:
                 for peer in backups:
@@ -299,14 +298,7 @@ def test_a_serving_peer_moves_to_a_gap_nobody_guards(tiny_models):
                 upkeep = Upkeep(mover)
                 await last.leave()
                 await upkeep.watch()
-                client = await join_swarm(maddrs, client_mode=True)
-                try:
-                    model = RemoteCausalLM.build(source, client, verify=0.0)
-                    session = await model.open_session(8)
-                    logits = model.logits(await session.step(model.embed(ids)))
-                    await session.close()
-                finally:
-                    await client.shutdown()
+                logits = await _prompt_logits(source, maddrs, ids, verify=0.0)
                 return placed, (mover.record.start, mover.record.end, mover.record.state), logits
             finally:
                 await stop_peer(mover)
