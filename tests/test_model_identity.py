@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from p2pfusion.cli.swarm_view import chosen_models, show_swarm
 from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.dht.records import ModelEntry
+from p2pfusion.client.route.catalog import RECORD_READS, model_records
+from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
 from p2pfusion.models.fingerprint import weight_files
@@ -133,6 +134,48 @@ def test_a_copy_under_another_name_meets_in_one_swarm(folders, capsys):
     # `p2pfusion swarm` says the same, in one line
     assert (code, out) == (2, "")
     assert err.strip().splitlines()[-1] == f"p2pfusion: error: {absent}"
+
+
+async def _records_that_come_late(delay: float):
+    """A node lists a model now and writes its peer record `delay` seconds later; a fresh client
+    reads the model's records meanwhile, and another client asks for a model nobody lists."""
+    peer = await join_swarm([])
+    try:
+        maddrs = await peer.maddrs()
+        client = await join_swarm(maddrs, client_mode=True)
+        try:
+            key = "llama-4x64-00000000000000aa"
+            await peer.announce_model(ModelEntry(key, "late", 4, 64))
+            record = PeerRecord(key, peer.peer_id, maddrs, 0, 4, PeerState.ONLINE, 10.0, None, "cpu")
+            notices = []
+
+            async def write_later():
+                await asyncio.sleep(delay)
+                await peer.announce(record)
+
+            writer = asyncio.ensure_future(write_later())
+            t0 = asyncio.get_running_loop().time()
+            found = await model_records(client, key, "late", notices.append)
+            waited = asyncio.get_running_loop().time() - t0
+            await writer
+            with pytest.raises(RouteError) as absent:
+                await model_records(client, "llama-4x64-00000000000000bb", "other", notices.append)
+            return found, waited, notices, str(absent.value)
+        finally:
+            await client.shutdown()
+    finally:
+        await peer.shutdown()
+
+
+def test_a_listed_model_whose_records_come_late_is_read_again_until_they_do():
+    """A busy DHT answers a read with nothing now and then (two of 22 generations failed so in the
+    60-node churn run): while the swarm lists the model, a client reads on, and says so."""
+    found, waited, notices, absent = uvloop.run(_records_that_come_late(RECORD_READS + 1.0))
+    assert [(r.start, r.end) for r in found] == [(0, 4)]
+    assert waited >= RECORD_READS + 1.0
+    assert len(notices) == 1 and "reading again for up to 60 s" in notices[0]
+    assert absent.startswith("the swarm serves no model with the weights of other (llama-4x64-00000000000000bb); "
+                             "it serves: late (key llama-4x64-00000000000000aa, 4 layers)")
 
 
 def test_choosing_a_model_in_the_swarm_view(folders):

@@ -56,6 +56,7 @@ class SwarmNode:
     dht: DHTNode
     validator: SwarmValidator
     seen: dict[str, float] = field(default_factory=dict)  # peer id -> when a lookup last listed it
+    found: dict[str, float] = field(default_factory=dict)  # model key -> when a lookup last found its records
 
     @property
     def p2p(self) -> P2P:
@@ -165,7 +166,13 @@ class SwarmNode:
             if record is not None and record.model == model and writer == record.peer_id and record.train_run == run:
                 records.append(record)
         self._remember(records)
+        if records and run is None:
+            self.found[model] = time.monotonic()
         return records
+
+    def found_lately(self, model: str) -> bool:
+        """Whether a lookup of this node found the model's records in the last REMEMBERED seconds."""
+        return time.monotonic() - self.found.get(model, -REMEMBERED) < REMEMBERED
 
     def _remember(self, records: list[PeerRecord]) -> None:
         now = time.monotonic()

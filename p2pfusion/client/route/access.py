@@ -85,7 +85,7 @@ class SwarmAccess:
         """The model's records that routing may use: every place that routes reads them here. With
         a trusted set, only its peers' records, or a TrustedGap when they no longer serve a layer
         from `first` on (the layers before it run on the client)."""
-        records = await model_records(self.swarm, self.model, self.name)
+        records = await model_records(self.swarm, self.model, self.name, lambda text: self.notice("reread", text))
         accepted = [r for r in records if accepts(r.weights, self.minimum)]
         if len(accepted) < len(records):
             self._say_refused(records, accepted, first)
