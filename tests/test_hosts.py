@@ -8,7 +8,7 @@ import signal
 import pytest
 import uvloop
 
-from p2pfusion.cli.hosts import HostNetwork, namespaces_unavailable
+from p2pfusion.cli.hosts import HostNetwork, namespaces_unavailable, nat_unavailable
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
@@ -77,3 +77,29 @@ def test_a_swarm_across_hosts_joins_serves_restarts_and_outlives_its_bootstrap(t
     for i in range(4):
         log = (swarm.workdir / f"peer{i}.log").read_text()
         assert "using libp2p" not in log, log  # every hop took the direct path across the bridge
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(nat_unavailable() is not None, reason=f"no NAT here: {nat_unavailable()}")
+def test_a_peer_behind_a_nat_serves_through_relays(tiny_models):
+    """A peer on a LAN behind a masquerading router (no host can reach it) finds that no neighbour
+    reaches it, joins again through relays, and serves layers 2:4 alone: the hop before it and the
+    client reach it through a relay, and the tokens are transformers'."""
+    source = tiny_models["llama"]
+    expected = _reference(source, IDS, 8)
+    network = HostNetwork(4, prefix="p2pfnat", subnet="10.76.0", behind_nat=1)
+    with network as net, LocalSwarm(model=str(source.folder)) as swarm:
+        # four public peers: the daemon behind the NAT asks relays for slots at once when it knows four
+        published = swarm.wait_ready(swarm.launch((0, 2), [*FIXED, "--host", net.host(0)], prefix=net.prefix_of(0)))
+        public = [swarm.launch((0, 2), [*FIXED, "--host", net.host(i)], prefix=net.prefix_of(i)) for i in range(1, 4)]
+        for proc in public:
+            swarm.wait_ready(proc)
+        natted = swarm.launch((2, 4), [*FIXED, "--host", "0.0.0.0"], prefix=net.natted_prefix_of(0))
+        relayed = swarm.wait_ready(natted, timeout=300)
+        natted_id = _peer_id(relayed)
+        tokens, records = uvloop.run(_generate(source, published))
+    log = (swarm.workdir / "peer4.log").read_text()
+    assert "joining again, to serve through relays" in log and "behind a NAT" in log, log
+    assert relayed and all("/p2p-circuit/p2p/" in m for m in relayed), relayed
+    assert records[natted_id].maddrs == relayed and records[natted_id].data_addrs == []
+    assert tokens == expected

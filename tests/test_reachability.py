@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import base58
 import pytest
 import uvloop
 
@@ -16,7 +17,7 @@ from p2pfusion.client.route.planner import find_route
 from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
-from p2pfusion.net import reach
+from p2pfusion.net import circuits, reach
 from tests.policy_records import rec
 from tests.swarm import peers_in_background, running_peers
 from tests.tiny_chat import with_chat_tokenizer
@@ -164,3 +165,20 @@ def test_a_route_error_names_the_peers_left_out():
     with pytest.raises(RouteError, match=r"^no peer serves layers 2:4 of this model$"):
         find_route(records[:1], 4)
 
+
+
+def test_circuit_addresses_are_built_and_encoded_as_the_daemon_reads_them():
+    """A relayed peer's address through each relay (loopback left out, at most MAX_CIRCUITS), and
+    each `/p2p/` id written as its bare multihash: hivemind's CIDv1 form is refused by the daemon."""
+    relay, me = "QmP9cFWkjZnzejBgh6e8YfCU2h4aNCj2xw1Mh5vV4oV2nr", "12D3KooWHZnok2fyjBTsW7ng3av1kTavsRVgKQ5Z88Xdm9pBmxZY"
+    relays = [(relay, ["/ip4/127.0.0.1/tcp/4100", "/ip4/10.79.0.11/tcp/4100"]), ("QmOther", ["/ip4/127.0.0.1/tcp/9"])]
+    relays += [(f"Qm{i}", [f"/ip4/10.0.0.{i}/tcp/1"]) for i in range(20)]
+    found = circuits.circuits_through(relays, me)
+    assert found[0] == f"/ip4/10.79.0.11/tcp/4100/p2p/{relay}/p2p-circuit/p2p/{me}"
+    assert len(found) == circuits.MAX_CIRCUITS and all(circuits.is_circuit(a) for a in found)
+    raw = circuits.daemon_maddr(found[0]).to_bytes()
+    assert base58.b58decode(relay) in raw and base58.b58decode(me) in raw
+    assert raw.endswith(bytes([len(base58.b58decode(me))]) + base58.b58decode(me))  # no CID prefix before it
+    for bad in ["/ip4/x/tcp/1", "/ip4/1.2.3.4/tcp/99999", "/p2p/0OIl", "nope"]:
+        with pytest.raises(ValueError, match="not a multiaddr"):
+            circuits.daemon_maddr(bad)

@@ -2,8 +2,11 @@
 
 The bridge lives in the caller's namespace, which is a host too (address .1), so a client run
 there reaches the peers only across real interfaces, and each peer reaches every other the same
-way. Links can be shaped to a rate (`tc qdisc tbf` on both ends of each veth). Tests, benchmarks
-and scripts use it; it needs root and iproute2, and removes what it made when it exits.
+way. Links can be shaped to a rate (`tc qdisc tbf` on both ends of each veth). Hosts behind a NAT
+(`behind_nat`) sit each on a LAN of its own behind a router namespace on the bridge that
+masquerades them (iptables): they reach every host, and no host reaches them. Tests, benchmarks
+and scripts use it; it needs root and iproute2 (and iptables for a NAT), and removes what it made
+when it exits.
 """
 
 from __future__ import annotations
@@ -32,11 +35,20 @@ def namespaces_unavailable() -> str | None:
     return None
 
 
+def nat_unavailable() -> str | None:
+    """Why this machine cannot put test hosts behind a NAT, or None when it can."""
+    if shutil.which("iptables") is None:
+        return "iptables is not installed"
+    return namespaces_unavailable()
+
+
 class HostNetwork:
     """`hosts` namespaces named `<prefix><i>` at `<subnet>.<11 + i>`, on bridge `<prefix>br` at `<subnet>.1`."""
 
-    def __init__(self, hosts: int, prefix: str = "p2pfh", subnet: str = "10.78.0", mbit: int | None = None):
-        self.hosts, self.prefix, self.subnet, self.mbit = hosts, prefix, subnet, mbit
+    def __init__(
+        self, hosts: int, prefix: str = "p2pfh", subnet: str = "10.78.0", mbit: int | None = None, behind_nat: int = 0
+    ):
+        self.hosts, self.prefix, self.subnet, self.mbit, self.behind_nat = hosts, prefix, subnet, mbit, behind_nat
         self.bridge = f"{prefix}br"
 
     @property
@@ -53,6 +65,35 @@ class HostNetwork:
     def prefix_of(self, i: int) -> list[str]:
         """The command prefix that runs a program on host `i`."""
         return ["ip", "netns", "exec", self.namespace(i)]
+
+    def natted_prefix_of(self, j: int) -> list[str]:
+        """The command prefix that runs a program on host `j` behind the NAT."""
+        return ["ip", "netns", "exec", f"{self.prefix}n{j}"]
+
+    def _add_natted(self) -> None:
+        router, outside, inside = f"{self.prefix}r", f"{self.prefix}vr", f"{self.prefix}er"
+        _ip("netns", "add", router)
+        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+        _ip("link", "set", inside, "netns", router)
+        _ip("link", "set", outside, "master", self.bridge, "up")
+        _ip("-n", router, "addr", "add", f"{self.subnet}.250/24", "dev", inside)
+        _ip("-n", router, "link", "set", inside, "up")
+        for j in range(self.behind_nat):
+            ns, lan, host_end = f"{self.prefix}n{j}", f"{self.prefix}l{j}", f"{self.prefix}m{j}"
+            _ip("netns", "add", ns)
+            _ip("link", "add", lan, "type", "veth", "peer", "name", host_end)
+            _ip("link", "set", lan, "netns", router)
+            _ip("link", "set", host_end, "netns", ns)
+            _ip("-n", router, "addr", "add", f"10.200.{j}.1/24", "dev", lan)
+            _ip("-n", router, "link", "set", lan, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", ns, "addr", "add", f"10.200.{j}.2/24", "dev", host_end)
+            _ip("-n", ns, "link", "set", host_end, "up")
+            _ip("-n", ns, "route", "add", "default", "via", f"10.200.{j}.1")
+        in_router = ["ip", "netns", "exec", router]
+        subprocess.run([*in_router, "sysctl", "-qw", "net.ipv4.ip_forward=1"], check=True, capture_output=True)
+        subprocess.run([*in_router, "iptables", "-t", "nat", "-A", "POSTROUTING", "-o", inside, "-j", "MASQUERADE"],
+                       check=True, capture_output=True)
 
     def bytes_sent(self, i: int) -> int:
         """Bytes host `i` has sent through its interface (its end of the veth)."""
@@ -92,12 +133,15 @@ class HostNetwork:
                 if self.mbit is not None:
                     self._shape(outside, None)  # toward the host
                     self._shape(inside, ns)  # from the host
+            if self.behind_nat:
+                self._add_natted()
         except subprocess.CalledProcessError as exc:
             self.__exit__()
             raise ConfigError(f"cannot make test hosts: {' '.join(exc.cmd)}: {exc.stderr.decode().strip()}") from exc
         return self
 
     def __exit__(self, *exc) -> None:
-        for i in range(self.hosts):
-            subprocess.run(["ip", "netns", "del", self.namespace(i)], capture_output=True)
+        natted = [f"{self.prefix}n{j}" for j in range(self.behind_nat)] + ([f"{self.prefix}r"] if self.behind_nat else [])
+        for ns in [self.namespace(i) for i in range(self.hosts)] + natted:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

@@ -165,6 +165,7 @@ class SwarmNode:
             # another peer's name: the validator refuses it, and readers do not rely on that alone
             if record is not None and record.model == model and writer == record.peer_id and record.train_run == run:
                 records.append(record)
+                self.transport.circuit_book.learn(record.peer_id, record.maddrs)
         self._remember(records)
         if records and run is None:
             self.found[model] = time.monotonic()
@@ -256,11 +257,15 @@ async def join_swarm(
     data_port: int = 0,
     announce_host: str | None = None,
     secret: SwarmSecret | None = None,
+    relayed: bool = False,
 ) -> SwarmNode:
     """Start libp2p and the DHT; a peer (not a client) also takes direct connections on `data_port`.
-    An empty `initial_peers` starts a new swarm. Others reach this node at `announce_host` if given.
+    An empty `initial_peers` starts a new swarm. Others reach this node at `announce_host` if given,
+    or, `relayed` (behind a NAT), through relays only.
     With a `secret`, the swarm is private: only nodes holding it answer this one, and it only them."""
-    transport = await Transport.start(initial_peers, host, port, identity_path, client_mode, announce_host, secret)
+    transport = await Transport.start(
+        initial_peers, host, port, identity_path, client_mode, announce_host, secret, relayed
+    )
     try:
         if not client_mode:
             try:

@@ -37,6 +37,7 @@ MAX_ADDRESSES = 8  # of each kind, per request: as many as a peer record lists
 MAX_NEIGHBOURS = 3
 MAX_ADDRESS = 256
 MAX_REASON = 120
+BY_NEIGHBOURS = "dialled back by "  # how a check by neighbours names its checkers
 LIMITS = FrameLimits(header=16 << 10, body=0, tensor_kinds=frozenset())
 
 Address = Annotated[str, Length(MAX_ADDRESS, 1)]
@@ -72,12 +73,13 @@ MESSAGES = {cls.kind: cls for cls in (DialBack, DialledBack, m.Error)}
 @dataclass(frozen=True)
 class Reach:
     """The addresses to announce (those reached, and those no one could check), those to leave out
-    with the reason, and how they were checked."""
+    with the reason, how they were checked, and whether any was reached (not merely unchecked)."""
 
     maddrs: list[str]
     data_addrs: list[str]
     unreachable: list[Dialled]
     checker: str
+    reached_any: bool = True
 
 
 def tcp_target(maddr: str) -> tuple[str, int] | None:
@@ -119,6 +121,7 @@ def verdict(maddrs: Sequence[str], data_addrs: Sequence[str], answers: Sequence[
                 failed.setdefault(d.address, d)
     return Reach(
         [a for a in maddrs if a not in failed], [a for a in data_addrs if a not in failed], list(failed.values()), checker,
+        bool(reached),
     )
 
 
@@ -244,7 +247,7 @@ async def check(
         if all(d.reached for d in answer):
             break
     if answers:
-        return verdict(maddrs, data_addrs, answers, "dialled back by " + " and ".join(checkers))
+        return verdict(maddrs, data_addrs, answers, BY_NEIGHBOURS + " and ".join(checkers))
     alone = "no other peer is known" if not neighbours else "no neighbour answered"
     own = await dial(transport, transport.peer_id, maddrs, data_addrs)
     return verdict(maddrs, data_addrs, [own], f"dialled from this host, as {alone}")

@@ -30,6 +30,7 @@ from hivemind.utils.logging import use_hivemind_log_handler
 
 from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
 from p2pfusion.net import wire
+from p2pfusion.net.circuits import CircuitBook, daemon_maddr
 from p2pfusion.net.clients import ClientKey, ClientProof, ConnectionCaps, Source, client_of, source_of, source_of_maddr
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, PeerProof, PeerProofs, client_context, peer_of, verify_peer
@@ -78,9 +79,10 @@ class Transport:
 
     def __init__(
         self, p2p: P2P, identity: Identity | None, announce_host: str | None = None, initial_peers: Sequence[str] = (),
-        secret: SwarmSecret | None = None,
+        secret: SwarmSecret | None = None, relayed: bool = False,
     ):
         self.p2p = p2p
+        self.relayed = relayed  # behind a NAT: others reach this node through relays only
         self.identity = identity
         self.data_addrs: list[str] = []
         self._handlers: dict[str, Handler] = {}
@@ -99,6 +101,7 @@ class Transport:
         self.announce_host = announce_host
         self.initial_peers = list(initial_peers)  # those it joined through (never itself)
         self.secret = secret  # a private swarm's: every stream's hello, both ways, proves it
+        self.circuit_book = CircuitBook()  # relayed peers' addresses, from their records
 
     @classmethod
     async def start(
@@ -110,11 +113,16 @@ class Transport:
         client_mode: bool,
         announce_host: str | None = None,
         secret: SwarmSecret | None = None,
+        relayed: bool = False,
     ) -> Transport:
         """Start libp2p. A peer always gets an identity held here, so its TLS certificate can prove it.
         `announce_host` is the address others reach this host at, when it listens on 0.0.0.0 behind
-        a forwarded port or has several interfaces."""
+        a forwarded port or has several interfaces. `relayed`: this host takes no inbound connection
+        (a NAT), so its daemon reserves slots at relays (net/circuits.py)."""
         kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=initial_peers)
+        if relayed:
+            # AutoNAT would find it out only from peers on public addresses; the caller knows already
+            kwargs.update(use_auto_relay=True, force_reachability="private")
         identity, scratch = None, None
         # a client keeps an identity only when given one: a training run's driver, whom the run's
         # replicas obey by its peer id
@@ -153,7 +161,7 @@ class Transport:
         finally:
             if scratch is not None:
                 scratch.cleanup()  # the daemon has read the key; this process holds it in memory
-        return cls(p2p, identity, announce_host, initial_peers, secret)
+        return cls(p2p, identity, announce_host, initial_peers, secret, relayed)
 
     @property
     def peer_id(self) -> str:
@@ -329,14 +337,18 @@ class Transport:
             self._direct_failed = {p: t for p, t in self._direct_failed.items() if t > time.monotonic()}
             self._direct_failed[peer_id] = time.monotonic() + DIRECT_RETRY
         try:
-            _, reader, writer = await asyncio.wait_for(
-                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol), timeout
-            )
+            _, reader, writer = await asyncio.wait_for(self._open_libp2p(peer_id, protocol), timeout)
         except LIBP2P_ERRORS as exc:
             raise PeerUnreachable(f"peer {peer_id} unreachable: {exc!r}", peer_id) from exc
         if self.secret is not None:  # libp2p names the protocol; the secret needs a frame of its own
             writer.writelines(encode(wire.encode(Hello(secret=self.secret.proof(peer_id, protocol)))))
         return reader, writer
+
+    async def _open_libp2p(self, peer_id: str, protocol: str):
+        circuits = self.circuit_book.get(peer_id)
+        if circuits:  # the daemon tries every relay at once; those holding no reservation fail at once
+            await self.p2p._client.connect(PeerID.from_base58(peer_id), [daemon_maddr(a) for a in circuits])
+        return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
 
     async def _dial(self, peer_id: str, addrs: list[str], protocol: str) -> Stream:
         """The first of `addrs`, dialed at once, to prove itself `peer_id`; the others are closed."""

@@ -18,11 +18,11 @@ import torch
 
 from p2pfusion.dht.records import DEFAULT_SESSION_LIMIT, ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import SwarmNode
-from p2pfusion.errors import ConfigError, ModelError
+from p2pfusion.errors import BehindNat, ConfigError, ModelError
 from p2pfusion.models.formats import WeightFormat, layer_sizes, load_quantizer, weight_format
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_config, load_stage
-from p2pfusion.net import probe, reach
+from p2pfusion.net import circuits, probe, reach
 from p2pfusion.net.compression import AUTO, Compression
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.secret import SwarmSecret
@@ -204,12 +204,12 @@ class Peer:
         return place_peer(records, self.num_layers, self.capacity, self.swarm.peer_id, near=self.links.round_trips())
 
     async def start(self) -> None:
-        if self.options.metrics_port is not None:  # first: a port taken fails the start before any work
-            self.exporter = serve_metrics(self.metrics.registry, self.options.metrics_host, self.options.metrics_port)
         await probe.serve_probes(self.swarm.transport)
         await reach.DialBackService(self.swarm.transport).start()
         records, _ = await self.live_records()
-        reachable = await self._reachable(records)
+        reachable = await self._reachable(records)  # BehindNat: the caller joins again, relayed
+        if self.options.metrics_port is not None:  # before any long work: a port taken fails the start
+            self.exporter = serve_metrics(self.metrics.registry, self.options.metrics_host, self.options.metrics_port)
         bench = await asyncio.to_thread(self._benchmark)
         network_rate, rtt = await self._measure_links(records)
         fit = self._layers_that_fit()
@@ -258,6 +258,8 @@ class Peer:
         (net/reach.py); the others are left out of its record, with a warning naming the fix. A
         ConfigError when there are none: nobody could use the layers it claimed."""
         transport = self.swarm.transport
+        if transport.relayed:
+            return await self._through_relays()
         neighbours = [(r.peer_id, r.data_addrs) for r in records if r.state != PeerState.OFFLINE]
         random.shuffle(neighbours)  # joiners spread their dial-backs over the swarm
         for maddr in transport.initial_peers:  # those it joined through: peers of other models answer too
@@ -278,11 +280,33 @@ class Peer:
         for failed in found.unreachable:
             log.warning("others cannot reach this peer at %s: %s (%s); it is left out of the peer's record. %s",
                         failed.address, failed.reason, found.checker, fix)
+        where = "; ".join(f"{d.address}: {d.reason}" for d in found.unreachable)
+        # neighbours reached none of its addresses (any left are loopback, which they do not dial):
+        # a host behind a NAT, which relays can carry, unless its owner named the address to use
+        checked = found.checker.startswith(reach.BY_NEIGHBOURS)
+        if found.unreachable and not found.reached_any and checked and announced is None:
+            raise BehindNat(f"no other peer reaches this one at any address it has ({where})")
         if found.unreachable and not found.maddrs and not found.data_addrs:
-            where = "; ".join(f"{d.address}: {d.reason}" for d in found.unreachable)
             raise ConfigError(f"no address this peer announces can be reached ({where}; {found.checker}), "
                               f"so it claims no layers. {fix}")
         return found
+
+    async def _through_relays(self) -> reach.Reach:
+        """Behind a NAT: circuits through the relays it connected to (the swarm's other peers), once
+        its daemon had time to ask them for slots (net/circuits.py). A fresh node's first reads
+        may list few peers, so it reads again while it waits."""
+        transport, deadline = self.swarm.transport, time.monotonic() + circuits.SLOT_WAIT
+        while time.monotonic() < deadline:
+            records, _ = await self.live_records()
+            listed = [(r.peer_id, r.maddrs) for r in records if r.state != PeerState.OFFLINE]
+            await circuits.connect_relays(transport.p2p, [p for p in listed if p[0] != self.swarm.peer_id])
+            await asyncio.sleep(circuits.SLOT_POLL)
+        relayed = await circuits.own_circuits(transport.p2p)
+        if not relayed:
+            raise ConfigError("others reach this peer at no address, and no relay answers it either: "
+                              "open a port to it and pass --announce-host")
+        log.info("behind a NAT: others reach this peer through relays (%s)", ", ".join(relayed))
+        return reach.Reach(relayed, [], [], "relayed: not checked")
 
     def _room(self) -> int:
         """Bytes this peer may still fill: its budget less what it holds, or the device's free memory."""

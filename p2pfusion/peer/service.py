@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
-from p2pfusion.errors import ConfigError, RouteError
+from p2pfusion.errors import BehindNat, ConfigError, RouteError
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import load_config
 from p2pfusion.peer.balance import choose_model
@@ -38,7 +38,15 @@ async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSourc
         # Done before serving, so no session waits for it.
         gc.collect()
         gc.freeze()
-        await peer.start()
+        try:
+            await peer.start()
+        except BehindNat as exc:
+            log.warning("%s: joining again, to serve through relays", exc)
+            await swarm.shutdown()
+            swarm = None  # nothing to shut down if joining again fails
+            swarm = await _join(options, relayed=True)
+            peer = Peer(options, swarm)
+            await peer.start()
         maddrs = peer.record.maddrs  # those others reached when checked (net/reach.py)
         if options.address_file is not None:
             tmp = options.address_file.with_suffix(".tmp")
@@ -53,17 +61,19 @@ async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSourc
     finally:
         if options.address_file is not None:  # a stopped peer's address would only mislead whoever reads it next
             options.address_file.unlink(missing_ok=True)
-        await swarm.shutdown()
+        if swarm is not None:
+            await swarm.shutdown()
 
 
-async def _join(options: PeerOptions) -> SwarmNode:
-    """The peer's node, on the ports its identity kept from its last run unless told others."""
+async def _join(options: PeerOptions, relayed: bool = False) -> SwarmNode:
+    """The peer's node, on the ports its identity kept from its last run unless told others;
+    `relayed`, behind a NAT (net/circuits.py)."""
     port, data_port = kept_ports(options.identity, options.port, options.data_port)
 
     async def join(port: int, data_port: int) -> SwarmNode:
         return await join_swarm(
             options.initial_peers, options.host, port, options.identity, data_port=data_port,
-            announce_host=options.announce_host, secret=options.swarm_secret,
+            announce_host=options.announce_host, secret=options.swarm_secret, relayed=relayed,
         )
 
     try:

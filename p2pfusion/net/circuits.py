@@ -1,0 +1,124 @@
+"""Relayed libp2p addresses: a peer behind a NAT that takes no inbound connection is reached
+through another peer's relay (libp2p's circuit relay v2), at `<relay's address>/p2p/<relay>/
+p2p-circuit/p2p/<peer>`.
+
+The libp2p daemon reserves a slot at some relays on its own (autorelay) but does not say which, so
+a relayed peer connects to several relays (its daemon asks for slots within seconds once it knows
+four, after three minutes when it knows fewer), lets it ask, and announces a circuit through each
+relay it is connected to; a dialler's daemon tries them all at once, and those holding no slot
+fail at once. (Which hold one cannot be checked from the peer's own host: a dial from there
+through a relay opened even where a dialler elsewhere was refused.) hivemind's `Multiaddr` writes a
+`/p2p/` id as a CIDv1, which the Go daemon cannot read (it expects the bare multihash), so the
+addresses a dialler hands its daemon are encoded here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+
+import base58
+import varint
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
+from hivemind.utils.multiaddr import Multiaddr
+from hivemind.utils.multiaddr.codecs import LENGTH_PREFIXED_VAR_SIZE
+from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
+from hivemind.utils.multiaddr.transforms import string_iter
+from netaddr import AddrFormatError
+
+log = logging.getLogger(__name__)
+
+CIRCUIT = "p2p-circuit"
+MAX_CIRCUITS = 8  # relays a relayed peer announces (a record lists at most this many addresses)
+DIAL_TIMEOUT = 5.0  # seconds a dial to a relay may take
+# seconds a relayed peer leaves its daemon to ask connected relays for slots (it took 14 s once it
+# knew four; announcing after 20 s, a dialler was still refused now and then)
+SLOT_WAIT = 45.0
+SLOT_POLL = 2.0  # seconds between reads of the swarm's peers to connect to
+MAX_RELAYED_PEERS = 1024  # relayed peers whose addresses a node keeps
+
+
+def is_circuit(maddr: str) -> bool:
+    return f"/{CIRCUIT}/" in maddr
+
+
+def daemon_maddr(text: str) -> Multiaddr:
+    """`text` as the Go daemon reads it: each `/p2p/` id as its multihash. ValueError when `text`
+    is no multiaddr."""
+    parts = []
+    try:
+        for proto, codec, value in string_iter(text):
+            parts.append(varint.encode(proto.code))
+            if value is None:
+                continue
+            raw = base58.b58decode(value) if proto.name == "p2p" else codec.to_bytes(proto, value)
+            if codec.SIZE == LENGTH_PREFIXED_VAR_SIZE:
+                parts.append(varint.encode(len(raw)))
+            parts.append(raw)
+    # the library's own errors, an IP netaddr cannot read, a port out of range, bad base58
+    except (MultiaddrError, AddrFormatError, struct.error, ValueError, KeyError) as exc:
+        raise ValueError(f"not a multiaddr: {text[:80]!r}") from exc
+    return Multiaddr(b"".join(parts))
+
+
+class CircuitBook:
+    """The relayed addresses of the peers whose records list some: a dialler's daemon knows no way
+    to them else."""
+
+    def __init__(self):
+        self._circuits: dict[str, list[str]] = {}
+
+    def learn(self, peer_id: str, maddrs: list[str]) -> None:
+        circuits = [a for a in maddrs if is_circuit(a)][:MAX_CIRCUITS]
+        if not circuits:
+            self._circuits.pop(peer_id, None)
+            return
+        if peer_id not in self._circuits and len(self._circuits) >= MAX_RELAYED_PEERS:
+            self._circuits.pop(next(iter(self._circuits)))  # the one learnt first
+        self._circuits[peer_id] = circuits
+
+    def get(self, peer_id: str) -> list[str]:
+        return self._circuits.get(peer_id, [])
+
+
+def circuits_through(relays: list[tuple[str, list[str]]], me: str) -> list[str]:
+    """Circuit addresses of peer `me` through each relay (peer id, its addresses), loopback left
+    out (nobody else reaches a relay there), at most MAX_CIRCUITS."""
+    found = []
+    for relay, addrs in relays:
+        for addr in addrs:
+            parts = addr.split("/")
+            if len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp" or is_circuit(addr):
+                continue
+            if parts[2].startswith("127.") or parts[2] == "::1":
+                continue
+            found.append(f"{'/'.join(parts[:5])}/p2p/{relay}/{CIRCUIT}/p2p/{me}")
+            break
+    return found[:MAX_CIRCUITS]
+
+
+async def own_circuits(node: P2P) -> list[str]:
+    """`node`'s relayed addresses: a circuit through each peer it is connected to."""
+    peers = [(str(info.peer_id), [str(a) for a in info.addrs]) for info in await node.list_peers()]
+    return circuits_through(peers, node.peer_id.to_base58())
+
+
+async def connect_relays(node: P2P, peers: list[tuple[str, list[str]]]) -> int:
+    """Connect `node` to up to MAX_CIRCUITS of these peers (id, addresses): the relays its daemon
+    may ask for a slot. How many answered."""
+    answered = await asyncio.gather(*(_connects(node, peer, addrs) for peer, addrs in peers[:MAX_CIRCUITS]))
+    return sum(answered)
+
+
+async def _connects(node: P2P, peer: str, addrs: list[str]) -> bool:
+    try:
+        # the daemon takes the peer's id apart from its addresses
+        maddrs = [daemon_maddr(a.split("/p2p/")[0]) for a in addrs if not is_circuit(a)]
+        await asyncio.wait_for(node._client.connect(PeerID.from_base58(peer), maddrs), DIAL_TIMEOUT)
+    except (P2PDaemonError, P2PHandlerError, OSError, TimeoutError, ValueError) as exc:
+        log.debug("no connection to relay %s: %r", peer, exc)
+        return False
+    return True
+
