@@ -105,20 +105,16 @@ async def own_circuits(node: P2P) -> list[str]:
     return circuits_through(peers, node.peer_id.to_base58())
 
 
-async def connect_relays(node: P2P, peers: list[tuple[str, list[str]]]) -> int:
+async def connect_relays(node: P2P, peers: list[tuple[str, list[str]]]) -> None:
     """Connect `node` to up to MAX_CIRCUITS of these peers (id, addresses): the relays its daemon
-    may ask for a slot. How many answered."""
-    answered = await asyncio.gather(*(_connects(node, peer, addrs) for peer, addrs in peers[:MAX_CIRCUITS]))
-    return sum(answered)
+    may ask for a slot."""
+    await asyncio.gather(*(_connect(node, peer, addrs) for peer, addrs in peers[:MAX_CIRCUITS]))
 
 
-async def _connects(node: P2P, peer: str, addrs: list[str]) -> bool:
+async def _connect(node: P2P, peer: str, addrs: list[str]) -> None:
     try:
         # the daemon takes the peer's id apart from its addresses
         maddrs = [daemon_maddr(a.split("/p2p/")[0]) for a in addrs if not is_circuit(a)]
         await asyncio.wait_for(node._client.connect(PeerID.from_base58(peer), maddrs), DIAL_TIMEOUT)
     except (P2PDaemonError, P2PHandlerError, OSError, TimeoutError, ValueError) as exc:
         log.debug("no connection to relay %s: %r", peer, exc)
-        return False
-    return True
-
