@@ -50,7 +50,7 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
-from p2pfusion.net.transport import split_addr
+from p2pfusion.net.addresses import split_addr
 from bench_machine import machine_header
 
 PROMPT = "What is the capital of France?"

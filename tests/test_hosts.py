@@ -12,6 +12,7 @@ from p2pfusion.cli.hosts import HostNetwork, namespaces_unavailable, nat_unavail
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.net.circuits import direct_to
 from tests.test_churn import _reference
 
 unavailable = namespaces_unavailable()
@@ -25,13 +26,15 @@ def _peer_id(maddrs: list[str]) -> str:
     return maddrs[0].rsplit("/p2p/", 1)[1]
 
 
-async def _generate(source, maddrs):
-    client = await join_swarm(maddrs, client_mode=True)  # in the test's own namespace
+async def _generate(source, maddrs, host=None):
+    client = await join_swarm(maddrs, host=host, client_mode=True)  # in the test's own namespace
     try:
         model = RemoteCausalLM.build(source, client)
         result = await model.generate(IDS, 8, stop_at_eos=False, decode=False)
         records = await client.lookup(source.key)
-        return result.token_ids, {r.peer_id: r for r in records}
+        # which peers this client holds a connection to that no relay carries
+        direct = {r.peer_id for r in records if await direct_to(client.transport.p2p, r.peer_id)}
+        return result.token_ids, {r.peer_id: r for r in records}, direct
     finally:
         await client.shutdown()
 
@@ -55,7 +58,7 @@ def test_a_swarm_across_hosts_joins_serves_restarts_and_outlives_its_bootstrap(t
         swarm.wait_ready(third)
 
         sent = [net.bytes_sent(i) for i in range(3)]
-        tokens, records = uvloop.run(_generate(source, published))
+        tokens, records, _ = uvloop.run(_generate(source, published))
         assert tokens == expected
         assert records[volunteer_id].data_addrs[0].startswith(f"{net.host(1)}:")  # not its loopback
         # the stage 2:4 host computed every token and sent each result across its interface
@@ -70,7 +73,7 @@ def test_a_swarm_across_hosts_joins_serves_restarts_and_outlives_its_bootstrap(t
         # the bootstrap host goes away; a client that knows two addresses still gets in
         boot.send_signal(signal.SIGTERM)
         assert boot.wait(30) == 0
-        tokens, records = uvloop.run(_generate(source, [*published, *swarm.wait_ready(third)]))
+        tokens, records, _ = uvloop.run(_generate(source, [*published, *swarm.wait_ready(third)]))
         assert tokens == expected
         assert (records[volunteer_id].start, records[volunteer_id].end) == (2, 4)
 
@@ -84,7 +87,8 @@ def test_a_swarm_across_hosts_joins_serves_restarts_and_outlives_its_bootstrap(t
 def test_a_peer_behind_a_nat_serves_through_relays(tiny_models):
     """A peer on a LAN behind a masquerading router (no host can reach it) finds that no neighbour
     reaches it, joins again through relays, and serves layers 2:4 alone: the hop before it and the
-    client reach it through a relay, and the tokens are transformers'."""
+    client find it through a relay, it calls them back (a relay carries 128 KiB of a connection),
+    and the tokens are transformers'."""
     source = tiny_models["llama"]
     expected = _reference(source, IDS, 8)
     network = HostNetwork(4, prefix="p2pfnat", subnet="10.76.0", behind_nat=1)
@@ -97,9 +101,12 @@ def test_a_peer_behind_a_nat_serves_through_relays(tiny_models):
         natted = swarm.launch((2, 4), [*FIXED, "--host", "0.0.0.0"], prefix=net.natted_prefix_of(0))
         relayed = swarm.wait_ready(natted, timeout=300)
         natted_id = _peer_id(relayed)
-        tokens, records = uvloop.run(_generate(source, published))
+        # the client listens at its address on the bridge, as one on the internet at its public
+        # address (its daemon announces only the address of its default route, which is not there)
+        tokens, records, direct = uvloop.run(_generate(source, published, host=net.gateway))
     log = (swarm.workdir / "peer4.log").read_text()
     assert "joining again, to serve through relays" in log and "behind a NAT" in log, log
     assert relayed and all("/p2p-circuit/p2p/" in m for m in relayed), relayed
     assert records[natted_id].maddrs == relayed and records[natted_id].data_addrs == []
+    assert natted_id in direct  # it called the client back: no relay carries the session
     assert tokens == expected

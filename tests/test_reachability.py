@@ -176,6 +176,9 @@ def test_circuit_addresses_are_built_and_encoded_as_the_daemon_reads_them():
     found = circuits.circuits_through(relays, me)
     assert found[0] == f"/ip4/10.79.0.11/tcp/4100/p2p/{relay}/p2p-circuit/p2p/{me}"
     assert len(found) == circuits.MAX_CIRCUITS and all(circuits.is_circuit(a) for a in found)
+    # a relayed connection's remote end, as the daemon lists it, against a direct one's
+    assert circuits.is_circuit(f"/ip4/10.79.0.11/tcp/4100/p2p/{relay}/p2p-circuit")
+    assert not circuits.is_circuit("/ip4/10.79.0.11/tcp/4100")
     raw = circuits.daemon_maddr(found[0]).to_bytes()
     assert base58.b58decode(relay) in raw and base58.b58decode(me) in raw
     assert raw.endswith(bytes([len(base58.b58decode(me))]) + base58.b58decode(me))  # no CID prefix before it

@@ -250,7 +250,7 @@ class _SigningKey(RSAPrivateKey):
 
 async def join_swarm(
     initial_peers: list[str],
-    host: str = "127.0.0.1",
+    host: str | None = None,
     port: int = 0,
     identity_path: str | None = None,
     client_mode: bool = False,
@@ -261,8 +261,11 @@ async def join_swarm(
 ) -> SwarmNode:
     """Start libp2p and the DHT; a peer (not a client) also takes direct connections on `data_port`.
     An empty `initial_peers` starts a new swarm. Others reach this node at `announce_host` if given,
-    or, `relayed` (behind a NAT), through relays only.
+    or, `relayed` (behind a NAT), through relays only. A client's daemon listens on every interface
+    unless `host` says otherwise, so that a peer behind a NAT can call it back (net/circuits.py); a
+    peer's on `host`, loopback by default.
     With a `secret`, the swarm is private: only nodes holding it answer this one, and it only them."""
+    host = host or ("0.0.0.0" if client_mode else "127.0.0.1")
     transport = await Transport.start(
         initial_peers, host, port, identity_path, client_mode, announce_host, secret, relayed
     )

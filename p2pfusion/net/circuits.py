@@ -10,6 +10,13 @@ fail at once. (Which hold one cannot be checked from the peer's own host: a dial
 through a relay opened even where a dialler elsewhere was refused.) hivemind's `Multiaddr` writes a
 `/p2p/` id as a CIDv1, which the Go daemon cannot read (it expects the bare multihash), so the
 addresses a dialler hands its daemon are encoded here.
+
+A circuit carries introductions, not sessions: every relay resets one after 128 KiB each way (the
+daemon starts a second relay service with go-libp2p's default limits beside the one its
+`-relayDataLimit` configures, and that one answers). So a dialler that reached a relayed peer
+through a relay asks it to call back (CALL_BACK): the relayed peer hangs up and dials the dialler
+directly, out through its NAT, and every stream then takes that connection. A dialler nobody can
+dial (behind a NAT too) gets no call and cannot use the peer.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
+import time
+from collections.abc import Awaitable, Callable
 
 import base58
 import varint
@@ -28,7 +37,11 @@ from hivemind.utils.multiaddr.exceptions import Error as MultiaddrError
 from hivemind.utils.multiaddr.transforms import string_iter
 from netaddr import AddrFormatError
 
+from p2pfusion.errors import PeerUnreachable
+
 log = logging.getLogger(__name__)
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 CIRCUIT = "p2p-circuit"
 MAX_CIRCUITS = 8  # relays a relayed peer announces (a record lists at most this many addresses)
@@ -38,10 +51,15 @@ DIAL_TIMEOUT = 5.0  # seconds a dial to a relay may take
 SLOT_WAIT = 45.0
 SLOT_POLL = 2.0  # seconds between reads of the swarm's peers to connect to
 MAX_RELAYED_PEERS = 1024  # relayed peers whose addresses a node keeps
+CALL_BACK = "p2pfusion.call-back.v1"
+CALL_BACK_WAIT = 5.0  # seconds a dialler waits for a relayed peer's direct connection
+CALL_BACK_POLL = 0.05
+DAEMON_ERRORS = (P2PDaemonError, P2PHandlerError, OSError, EOFError, TimeoutError, ValueError)
 
 
 def is_circuit(maddr: str) -> bool:
-    return f"/{CIRCUIT}/" in maddr
+    """Whether an address (a record's, or a connection's remote end) goes through a relay."""
+    return f"/{CIRCUIT}/" in maddr or maddr.endswith(f"/{CIRCUIT}")
 
 
 def daemon_maddr(text: str) -> Multiaddr:
@@ -116,5 +134,75 @@ async def _connect(node: P2P, peer: str, addrs: list[str]) -> None:
         # the daemon takes the peer's id apart from its addresses
         maddrs = [daemon_maddr(a.split("/p2p/")[0]) for a in addrs if not is_circuit(a)]
         await asyncio.wait_for(node._client.connect(PeerID.from_base58(peer), maddrs), DIAL_TIMEOUT)
-    except (P2PDaemonError, P2PHandlerError, OSError, TimeoutError, ValueError) as exc:
+    except DAEMON_ERRORS as exc:
         log.debug("no connection to relay %s: %r", peer, exc)
+
+
+async def _remote_ends(node: P2P, peer: str) -> list[str]:
+    """The remote addresses of `node`'s connections to `peer` (a relayed one's ends in /p2p-circuit)."""
+    return [str(a) for info in await node.list_peers() if info.peer_id.to_base58() == peer for a in info.addrs]
+
+
+async def direct_to(node: P2P, peer: str) -> bool:
+    """Whether `node` holds a connection to `peer` that no relay carries."""
+    return any(not is_circuit(a) for a in await _remote_ends(node, peer))
+
+
+async def call_back(node: P2P, peer: str) -> None:
+    """On a relayed node, asked by `peer`: close the relayed connections to it (the daemon's connect
+    does nothing while one is open) and dial it directly at the addresses it gave when it connected.
+    A peer with a direct connection already is left as it is, so a stranger can only cut its own."""
+    ends = await _remote_ends(node, peer)
+    if not ends or not all(is_circuit(a) for a in ends):
+        return
+    peer_id = PeerID.from_base58(peer)
+    try:
+        await node._client.disconnect(peer_id)
+        await asyncio.wait_for(node._client.connect(peer_id, []), DIAL_TIMEOUT)
+    except DAEMON_ERRORS as exc:
+        log.info("cannot call back %s, which reached this peer through a relay: %r", peer, exc)
+
+
+class CallBacks:
+    """A dialler's direct connections to relayed peers, one request in flight per peer."""
+
+    def __init__(self):
+        self._pending: dict[str, asyncio.Future] = {}
+
+    async def reach(self, node: P2P, peer: str, circuits: list[str], ask: Callable[[], Awaitable[Stream]]) -> None:
+        """Make sure `node` reaches relayed `peer` directly: connect through its `circuits`, open a
+        CALL_BACK stream with `ask`, and wait for its call. PeerUnreachable if none comes."""
+        if await direct_to(node, peer):
+            return
+        pending = self._pending.get(peer)
+        if pending is None:
+            pending = self._pending[peer] = asyncio.ensure_future(_ask(node, peer, circuits, ask))
+            pending.add_done_callback(lambda done: self._settled(peer, done))
+        await asyncio.shield(pending)  # a caller cancelled leaves the request to the others waiting
+
+    def _settled(self, peer: str, done: asyncio.Future) -> None:
+        del self._pending[peer]
+        if not done.cancelled():
+            done.exception()  # each caller got it; asyncio need not report it again
+
+
+async def _ask(node: P2P, peer: str, circuits: list[str], ask: Callable[[], Awaitable[Stream]]) -> None:
+    deadline = time.monotonic() + CALL_BACK_WAIT
+    try:
+        maddrs = [daemon_maddr(a) for a in circuits]
+        await asyncio.wait_for(node._client.connect(PeerID.from_base58(peer), maddrs), DIAL_TIMEOUT)
+        reader, writer = await ask()
+        try:  # the peer hangs up before it calls
+            await asyncio.wait_for(reader.read(1), CALL_BACK_WAIT)
+        finally:
+            writer.close()
+    except DAEMON_ERRORS as exc:
+        raise PeerUnreachable(f"peer {peer} unreachable through its relays: {exc!r}", peer) from exc
+    while not await direct_to(node, peer):
+        if time.monotonic() > deadline:
+            raise PeerUnreachable(
+                f"peer {peer} is behind a NAT and did not connect back to this node (is this node behind one "
+                "too, or listening on loopback only?); its relays carry no sessions", peer,
+            )
+        await asyncio.sleep(CALL_BACK_POLL)
+    log.info("peer %s, behind a NAT, connected back to this node", peer)

@@ -25,7 +25,8 @@ from p2pfusion.net import messages as m
 from p2pfusion.net import probe
 from p2pfusion.net.clients import Source
 from p2pfusion.net.framing import FrameError, FrameLimits, read_frame, write_frame
-from p2pfusion.net.transport import Transport, split_addr
+from p2pfusion.net.addresses import split_addr
+from p2pfusion.net.transport import Transport
 from p2pfusion.net.wire import Length
 
 log = logging.getLogger(__name__)

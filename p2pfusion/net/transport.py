@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import socket
 import ssl
@@ -30,7 +29,8 @@ from hivemind.utils.logging import use_hivemind_log_handler
 
 from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
 from p2pfusion.net import wire
-from p2pfusion.net.circuits import CircuitBook, daemon_maddr
+from p2pfusion.net.addresses import ANY, announced, free_port, split_addr
+from p2pfusion.net.circuits import CALL_BACK, CallBacks, CircuitBook, Stream, call_back
 from p2pfusion.net.clients import ClientKey, ClientProof, ConnectionCaps, Source, client_of, source_of, source_of_maddr
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, PeerProof, PeerProofs, client_context, peer_of, verify_peer
@@ -43,7 +43,6 @@ use_hivemind_log_handler("nowhere")
 
 # (reader, writer, source): who sent the stream (net.clients.Source)
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, Source], Awaitable[None]]
-Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 JOIN_TIMEOUT = 20.0
 DIRECT_TIMEOUT = 3.0  # a direct dial slower than this is treated as unreachable
@@ -102,6 +101,7 @@ class Transport:
         self.initial_peers = list(initial_peers)  # those it joined through (never itself)
         self.secret = secret  # a private swarm's: every stream's hello, both ways, proves it
         self.circuit_book = CircuitBook()  # relayed peers' addresses, from their records
+        self.call_backs = CallBacks()
 
     @classmethod
     async def start(
@@ -142,7 +142,7 @@ class Transport:
             # a key made just now is nobody else's; a kept one is checked (two peers must not share it)
             kwargs["check_if_identity_free"] = kept
         if announce_host is not None:
-            port = port or _free_port(host)  # libp2p announces explicit ports only
+            port = port or free_port(host)  # libp2p announces explicit ports only
             kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
             kwargs["announce_maddrs"] = [f"/{'ip6' if ':' in announce_host else 'ip4'}/{announce_host}/tcp/{port}"]
         try:
@@ -161,7 +161,10 @@ class Transport:
         finally:
             if scratch is not None:
                 scratch.cleanup()  # the daemon has read the key; this process holds it in memory
-        return cls(p2p, identity, announce_host, initial_peers, secret, relayed)
+        transport = cls(p2p, identity, announce_host, initial_peers, secret, relayed)
+        if relayed:
+            await transport.add_handler(CALL_BACK, transport._call_back)
+        return transport
 
     @property
     def peer_id(self) -> str:
@@ -184,18 +187,9 @@ class Transport:
         return self.data_addrs
 
     async def _announced_addrs(self, host: str, port: int) -> list[str]:
-        if self.announce_host is not None:
-            return [_join_addr(self.announce_host, port)]
-        if host not in ("0.0.0.0", "::"):
-            return [_join_addr(host, port)]
-        ips = []
-        for maddr in await self.p2p.get_visible_maddrs():
-            parts = str(maddr).split("/")
-            if len(parts) > 2 and parts[1] in ("ip4", "ip6") and parts[2] not in ips and parts[2] not in ("0.0.0.0", "::"):
-                ips.append(parts[2])
-        # loopback last: from another host it reaches the wrong machine (and fails its identity check)
-        ips.sort(key=lambda ip: ipaddress.ip_address(ip).is_loopback)
-        return [_join_addr(ip, port) for ip in ips]
+        wide = host in ANY and self.announce_host is None  # the daemon knows this host's addresses
+        visible = [str(m) for m in await self.p2p.get_visible_maddrs()] if wide else []
+        return announced(host, port, self.announce_host, visible)
 
     async def add_handler(self, protocol: str, handler: Handler) -> None:
         self._handlers[protocol] = handler
@@ -337,18 +331,27 @@ class Transport:
             self._direct_failed = {p: t for p, t in self._direct_failed.items() if t > time.monotonic()}
             self._direct_failed[peer_id] = time.monotonic() + DIRECT_RETRY
         try:
-            _, reader, writer = await asyncio.wait_for(self._open_libp2p(peer_id, protocol), timeout)
+            return await asyncio.wait_for(self._open_libp2p(peer_id, protocol), timeout)
         except LIBP2P_ERRORS as exc:
             raise PeerUnreachable(f"peer {peer_id} unreachable: {exc!r}", peer_id) from exc
+
+    async def _open_libp2p(self, peer_id: str, protocol: str) -> Stream:
+        circuits = self.circuit_book.get(peer_id)
+        if circuits:  # a relayed peer: sessions need its direct call back (net/circuits.py)
+            await self.call_backs.reach(self.p2p, peer_id, circuits, lambda: self._libp2p_stream(peer_id, CALL_BACK))
+        return await self._libp2p_stream(peer_id, protocol)
+
+    async def _libp2p_stream(self, peer_id: str, protocol: str) -> Stream:
+        _, reader, writer = await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
         if self.secret is not None:  # libp2p names the protocol; the secret needs a frame of its own
             writer.writelines(encode(wire.encode(Hello(secret=self.secret.proof(peer_id, protocol)))))
         return reader, writer
 
-    async def _open_libp2p(self, peer_id: str, protocol: str):
-        circuits = self.circuit_book.get(peer_id)
-        if circuits:  # the daemon tries every relay at once; those holding no reservation fail at once
-            await self.p2p._client.connect(PeerID.from_base58(peer_id), [daemon_maddr(a) for a in circuits])
-        return await self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), protocol)
+    async def _call_back(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: Source) -> None:
+        """A dialler reached this relayed node through a relay and asks for a direct connection."""
+        writer.close()
+        if source.peer is not None:
+            await call_back(self.p2p, source.peer)
 
     async def _dial(self, peer_id: str, addrs: list[str], protocol: str) -> Stream:
         """The first of `addrs`, dialed at once, to prove itself `peer_id`; the others are closed."""
@@ -394,19 +397,3 @@ class Transport:
             self._listener.close()
         await self.p2p.shutdown()
 
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
-
-
-def _join_addr(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def split_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"not a host:port address: {addr!r}")
-    return host.strip("[]"), int(port)
