@@ -6,7 +6,9 @@ greedy generations with drafts (`speculate="auto"`) and without (`"off"`) altern
 other tenants of the machine hits both alike; both must give the same tokens. Two kinds of
 prompt: answers that repeat their context (quote, edit code, list back), where drafts from the
 text stand, and free-form chat, where they rarely do and drafting must cost next to nothing.
-Decode speed is (tokens - 1) / decode time (the prefill excluded, as both sides share it).
+Decode speed is (tokens - 1) / decode time (the prefill excluded, as both sides share it). Beside
+each, the most tokens per step prompt lookup could give on that answer (`lookup_bound`): drafts
+stand only where the answer repeats its context, whatever the policy.
 Usage: python scripts/bench_speculative.py [--tokens 96] [--runs 3] [--peers 3]
 """
 
@@ -21,6 +23,7 @@ import uvloop
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.conversation import Conversation
+from p2pfusion.client.generate.draft import MAX_DRAFTS, lookup
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
@@ -46,6 +49,18 @@ FREE = {
 }
 
 
+def lookup_bound(ids: list[int], answer: list[int], k: int = MAX_DRAFTS) -> float:
+    """Tokens per step if every step sent k prompt-lookup drafts, the answer known: each step
+    yields the drafts that match it, and the model's own token."""
+    done, steps = 0, 0
+    while done < len(answer):
+        drafts = lookup(ids + answer[:done], k)
+        pairs = list(zip(drafts, answer[done:]))
+        stood = next((i for i, (d, a) in enumerate(pairs) if d != a), len(pairs))
+        done, steps = done + stood + 1, steps + 1
+    return len(answer) / steps
+
+
 async def generate(model: RemoteCausalLM, ids: list[int], tokens: int):
     conversation = Conversation(model, keep=False)
     try:
@@ -58,7 +73,7 @@ async def generate(model: RemoteCausalLM, ids: list[int], tokens: int):
 
 async def runs(source, maddrs, prompts: dict[str, list[int]], args) -> dict[str, dict[str, list]]:
     swarm = await join_swarm(maddrs, client_mode=True)
-    out = {name: {"spec": [], "plain": [], "per_step": [], "stood": []} for name in prompts}
+    out = {name: {"spec": [], "plain": [], "per_step": [], "stood": [], "bound": []} for name in prompts}
     try:
         drafting = RemoteCausalLM.build(source, swarm, speculate="auto", verify=0.0)
         plain = RemoteCausalLM.build(source, swarm, speculate="off", verify=0.0)
@@ -75,6 +90,7 @@ async def runs(source, maddrs, prompts: dict[str, list[int]], args) -> dict[str,
                 out[name]["plain"].append(speed(slow))
                 out[name]["per_step"].append(len(fast.token_ids) / fast.steps)
                 out[name]["stood"].append(stood / sent if sent else 0.0)
+                out[name]["bound"].append(lookup_bound(ids, fast.token_ids))
                 print(f"run {run} {name}: drafts {speed(fast):.1f} tok/s, plain {speed(slow):.1f} tok/s, "
                       f"{len(fast.token_ids) / fast.steps:.2f} tokens per step, {stood}/{sent} drafts stood",
                       file=sys.stderr)
@@ -106,7 +122,8 @@ def main() -> None:
             ratios += ratio
             print(f"  {group:<9} {name:<10} drafts {med(r[name]['spec']):5.1f} tok/s, plain {med(r[name]['plain']):5.1f} "
                   f"tok/s, ratio {med(ratio):.2f} (runs {', '.join(f'{x:.2f}' for x in ratio)}), "
-                  f"{med(r[name]['per_step']):.2f} tokens per step, {100 * med(r[name]['stood']):.0f}% of drafts stood")
+                  f"{med(r[name]['per_step']):.2f} tokens per step (lookup's bound {med(r[name]['bound']):.2f}), "
+                  f"{100 * med(r[name]['stood']):.0f}% of drafts stood")
         print(f"{group}: median ratio {med(ratios):.2f}")
 
 

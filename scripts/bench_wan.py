@@ -49,7 +49,7 @@ from p2pfusion.models.stage import load_config
 from bench_machine import machine_header
 from bench_churn import KILL_AT, PROMPT, reference_tokens
 from bench_poisoned_run import small_model
-from bench_speculative import FREE, REPEATING
+from bench_speculative import FREE, REPEATING, lookup_bound
 
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
@@ -125,9 +125,10 @@ async def speculation(wan: WanSwarm, plain: RemoteCausalLM, drafters: dict[str, 
                     raise SystemExit(f"{name}: speculative decoding ({drafter}) changed the text")
                 ratio = slow.decode_seconds / fast.decode_seconds
                 found["spec"].setdefault((drafter, group), []).append(ratio)
+                bound = lookup_bound(ids, fast.token_ids)
                 print(f"RTT {args.spec_rtt} ms, {group} {name}, {drafter}: drafts {fast.decode_seconds:.2f} s, plain "
                       f"{slow.decode_seconds:.2f} s, ratio {ratio:.2f}, {len(fast.token_ids) / fast.steps:.2f} "
-                      f"tokens per step", file=sys.stderr)
+                      f"tokens per step (prompt lookup's bound {bound:.2f})", file=sys.stderr)
 
 
 async def measured(wan: WanSwarm, source, draft: Path | None, args) -> dict:

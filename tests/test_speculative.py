@@ -61,6 +61,15 @@ def test_the_number_of_drafts_follows_what_pays():
     for _ in range(EXPLORE_EVERY):
         spec.took(0, 0, 0.010)
     assert len(spec.drafts(text, room=100)) == 1
+    # a draft model: its drafting is timed within the step, and counted once
+    spec = Speculation()
+    spec.took(0, 0, 0.010)
+    for _ in range(20):  # 4 drafts that stand, drafted at 4 ms each: 5 tokens in 30 ms, against 10 ms a token
+        spec.took(4, 4, 0.030, drafting=0.004)
+    assert spec.size(8) >= 4
+    for _ in range(20):  # the same in 60 ms: fewer tokens per second than plain steps
+        spec.took(4, 4, 0.060, drafting=0.004)
+    assert spec.size(8) == 0
 
 
 def test_greedy_acceptance():

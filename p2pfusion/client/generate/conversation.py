@@ -126,14 +126,21 @@ class Conversation:
         times: list[float] = []  # beside `out`: when each token was chosen
         shown = rewinds = 0
         try:
+            spec = await self._speculation()
             t0 = time.perf_counter()
             embeds = model.embed(new)
             if soft is not None and not self.tokens:  # soft prompt tokens sit before the text, at positions 0..n-1
                 embeds = torch.cat([soft.detach().to(model.core.options.dtype)[None], embeds], dim=1)
-            hidden = await self._step(embeds)
+            # a draft model reads the prompt while the swarm does: its first drafts then cost a step
+            drafter = self.drafter
+            warming = None if drafter is None else asyncio.ensure_future(asyncio.to_thread(drafter.warm, input_ids))
+            try:
+                hidden = await self._step(embeds)
+            finally:
+                if warming is not None:
+                    await warming
             self.tokens += new
             t1 = time.perf_counter()
-            spec = await self._speculation()
             queued: list[int] = []  # accepted drafts: in the peers' caches already, not in `out` yet
             after: int | None = None  # the token the last speculative step chose after them
             with model.lockstep.member(adapter) as member:  # in step with the client's other sessions
@@ -183,8 +190,8 @@ class Conversation:
                     room = total - len(input_ids) - len(out) - 1  # drafts past the last token allowed are wasted
                     # beside other sessions the peers' compute is shared: a draft's positions would
                     # take it from their tokens (docs/benchmarks.md), so only a lone session drafts
+                    began = time.perf_counter()  # a step's time counts its drafting
                     drafts = [] if spec is None or not member.alone else await self._drafts(spec, input_ids + out, room)
-                    began = time.perf_counter()
                     hidden = await self._step(model.embed([token, *drafts]))
                     self.tokens.append(token)
                     if drafts:  # `hidden` is not read again: the next token is chosen here, the step after computes anew
@@ -192,7 +199,9 @@ class Conversation:
                         self.tokens += queued
                     if spec is not None:
                         drafting = None if self.drafter is None else self.drafter.cost
-                        spec.took(len(drafts), len(queued), time.perf_counter() - began, drafting)
+                        # reading what plain steps chose is the price of having stopped, not of a draft
+                        lag = self.drafter.catch_up if self.drafter is not None and drafts else 0.0
+                        spec.took(len(drafts), len(queued), time.perf_counter() - began - lag, drafting)
             t2 = time.perf_counter()
         except BaseException:
             await self.close()  # a step may be half done: the peers' caches are no longer known

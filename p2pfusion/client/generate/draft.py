@@ -8,13 +8,14 @@ occurred, and what followed it there; no second model. Text that repeats its con
 edit of code) drafts well; free chat rarely does.
 
 `Speculation` decides k from what it measured in this session: the share of drafts accepted, and
-what each extra position adds to a step's time, seen from here (network, peers' compute, the
-client's head): it sends the k with the most tokens per second expected, and none when drafting
-does not pay, trying one draft now and then (less often each time one falls) so that it notices
-when the text turns repetitive. A session's first step after its prefill carries no drafts: it times
-the plain step that the drafts' cost is measured against. A small draft model
-(generate/draft_model.py) may draft instead of prompt lookup: what one of its steps costs here
-counts beside each draft's cost in the swarm.
+what each draft adds to a step's time, seen from here (drafting it, the network, the peers'
+compute, the client's head): it sends the k with the most tokens per second expected, and none
+when drafting does not pay, trying one draft now and then (less often each time one falls) so that
+it notices when the text turns repetitive. A session's first step after its prefill carries no
+drafts: it times the plain step that the drafts' cost is measured against. A small draft model
+(generate/draft_model.py) may draft instead of prompt lookup; its steps, and feeding it the tokens
+the swarm chose, are timed as part of the step they draft for, so a draft model that costs more
+than it saves stops drafting as a bad guess does.
 
 Which drafts stand: greedily, those equal to the model's choice at the position before (`accept_greedy`),
 so the text is the one plain greedy decoding gives. Sampled, the standard rule for a drafter that
@@ -39,6 +40,7 @@ EXPLORE_MAX = 128  # ...twice as many after each such try that fell, up to this 
 FIRST_PRIOR = (1.0, 2.0)  # (stood, tried) of first drafts counted before any: one half...
 REST_PRIOR = (3.0, 4.0)  # ...and of later ones, three quarters...
 ACCEPT_DECAY = 0.9  # ...as old counts fade, so the rates follow the text
+REST_EVIDENCE = 1.0  # later drafts tried (faded) below which the first drafts' rate stands for theirs
 COST_PRIOR = 0.3  # an extra position's share of a one-token step's time, until measured
 EMA = 0.2
 
@@ -85,13 +87,14 @@ def best_drafts(first: float, rest: float, extra: float, available: int, limit: 
 class Speculation:
     """One session's drafting policy and what it has measured. Acceptance is counted as
     (stood, tried) with old steps fading by ACCEPT_DECAY: for a step's first draft, and for the
-    later ones that were tried (those whose predecessor stood)."""
+    later ones that were tried (those whose predecessor stood). Later drafts untried for long
+    count as likely as first ones, or a policy settled on single drafts would never learn more."""
 
     first: tuple[float, float] = FIRST_PRIOR
     rest: tuple[float, float] = REST_PRIOR
     one_step: float | None = None  # seconds of a step without drafts, from here
-    extra: float | None = None  # seconds each draft adds to a step's trip through the swarm
-    drafting: float = 0.0  # seconds it takes here to draft one token (a draft model's step; lookup: nothing)
+    extra: float | None = None  # seconds each draft adds to a step, drafting it included
+    drafting: float = 0.0  # seconds drafting one token takes here (a draft model's step; lookup: nothing)
     since_draft: int = 0  # steps since the last that carried drafts
     explore_gap: int = EXPLORE_EVERY  # steps without drafts before the next try
     steps: int = 0  # swarm steps the generation under way took, its prefill included
@@ -99,7 +102,10 @@ class Speculation:
     stood: int = 0  # and accepted
 
     def rates(self) -> tuple[float, float]:
-        return self.first[0] / self.first[1], self.rest[0] / self.rest[1]
+        first = self.first[0] / self.first[1]
+        if self.rest[1] < REST_EVIDENCE:  # only single drafts sent for long: later ones unknown, not bad
+            return first, max(first, self.rest[0] / self.rest[1])
+        return first, self.rest[0] / self.rest[1]
 
     def begin(self) -> None:
         """A generation starts: its prefill, which chose its first token, is its first step."""
@@ -110,8 +116,9 @@ class Speculation:
         that what drafts add to a step is measured against it."""
         if available <= 0 or self.one_step is None:
             return 0
-        swarm = COST_PRIOR * self.one_step if self.extra is None else self.extra
-        share = (swarm + self.drafting) / max(self.one_step, 1e-6)
+        # until a step with drafts was timed: the swarm's share guessed, the drafting as measured
+        extra = COST_PRIOR * self.one_step + self.drafting if self.extra is None else self.extra
+        share = extra / max(self.one_step, 1e-6)
         k = best_drafts(*self.rates(), share, available)
         if k == 0 and self.since_draft >= self.explore_gap:
             k = 1
@@ -124,8 +131,8 @@ class Speculation:
         return candidates[:self.size(len(candidates))]
 
     def took(self, drafts: int, accepted: int, seconds: float, drafting: float | None = None) -> None:
-        """A step with `drafts` drafts, of which `accepted` stood, took `seconds` through the swarm
-        (its head included); `drafting`: what drafting one token costs here, as last measured."""
+        """A step with `drafts` drafts, of which `accepted` stood, took `seconds` from here, drafting
+        them and the head included; `drafting`: what drafting one token costs here, as last measured."""
         if drafting is not None:
             self.drafting = drafting
         self.steps += 1

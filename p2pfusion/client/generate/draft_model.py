@@ -28,6 +28,10 @@ from p2pfusion.models.stage import load_config, max_positions
 
 log = logging.getLogger(__name__)
 
+# tokens a proposal reads while drafting goes on: the last draft of the step before (never read)
+# and the token the swarm chose; more is a catch-up after steps without drafts
+STEADY_FEED = 2
+
 
 class DraftModel:
     def __init__(self, model: torch.nn.Module):
@@ -72,6 +76,8 @@ class Drafter:
         self._tokens: list[int] = []
         self._per_token: float | None = None  # seconds of a one-token step of the draft model, as measured
         self._last: float = 0.0  # seconds per draft of the last proposal, catch-up included
+        # seconds the last proposal spent reading tokens chosen while it did not draft, beyond a step
+        self.catch_up = 0.0
         # a generation cancelled mid-proposal leaves its worker thread running: the next waits for it
         self._busy = threading.Lock()
 
@@ -81,28 +87,54 @@ class Drafter:
         with self._busy:
             return self._propose(sequence, k)
 
+    def warm(self, sequence: Sequence[int]) -> None:
+        """Read `sequence` into the cache (a prompt, while the swarm reads it too), so that the
+        first drafts after it cost a step of the draft model, not a prompt's worth. Runs on a
+        worker thread."""
+        with self._busy:
+            self._read(sequence)
+
+    @torch.inference_mode()
+    def _read(self, sequence: Sequence[int]) -> None:
+        if not sequence or len(sequence) > self._model.positions:
+            return
+        held = self._cut(sequence, len(sequence))
+        if held < len(sequence):
+            self._model.model(
+                input_ids=torch.tensor([list(sequence[held:])]), cache=self._cache, use_cache=True, logits_to_keep=1
+            )
+        self._tokens = list(sequence)
+
+    def _cut(self, sequence: Sequence[int], most: int) -> int:
+        """Cut the cache back to what it shares with `sequence`, at most `most` tokens; how many it keeps."""
+        held = min(_common_prefix(self._tokens, sequence), most)
+        if self._cache is None:
+            self._cache, held = DynamicCache(config=self._model.model.config), 0
+        self._cache.crop(held - self._cache.get_seq_length())  # how many to drop, as a negative count
+        self._tokens = list(sequence[:held])  # all that is sure of the cache, should a step after fail
+        return held
+
     @torch.inference_mode()
     def _propose(self, sequence: Sequence[int], k: int) -> list[int]:
         k = min(k, self._model.positions - len(sequence))
         if k <= 0 or not sequence:
             return []
-        held = _common_prefix(self._tokens, sequence)
-        held = min(held, len(sequence) - 1)  # at least the last token goes in: its output is the first draft
-        if self._cache is None:
-            self._cache, held = DynamicCache(config=self._model.model.config), 0
-        self._cache.crop(held - self._cache.get_seq_length())  # how many to drop, as a negative count
-        self._tokens = list(sequence[:held])  # all that is sure of the cache, should a step below fail
+        # at least the last token goes in: its output is the first draft
+        held = self._cut(sequence, len(sequence) - 1)
         feed = list(sequence[held:])
         drafts: list[int] = []
         started = time.perf_counter()
+        self.catch_up = 0.0
         for _ in range(k):
             began = time.perf_counter()
             logits = self._model.model(
                 input_ids=torch.tensor([feed]), cache=self._cache, use_cache=True, logits_to_keep=1
             ).logits
+            took = time.perf_counter() - began
             if len(feed) == 1:  # a catch-up over many tokens says little of a one-token step
-                took = time.perf_counter() - began
                 self._per_token = took if self._per_token is None else (1 - EMA) * self._per_token + EMA * took
+            elif len(feed) > STEADY_FEED:
+                self.catch_up = max(took - (self._per_token or 0.0), 0.0)
             feed = [int(logits[0, -1].argmax())]
             drafts.append(feed[0])
         self._tokens = [*sequence, *drafts[:-1]]  # the last draft was never fed
