@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 
 import base58
 import varint
+from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.utils.multiaddr import Multiaddr
@@ -54,7 +55,10 @@ MAX_RELAYED_PEERS = 1024  # relayed peers whose addresses a node keeps
 CALL_BACK = "p2pfusion.call-back.v1"
 CALL_BACK_WAIT = 5.0  # seconds a dialler waits for a relayed peer's direct connection
 CALL_BACK_POLL = 0.05
-DAEMON_ERRORS = (P2PDaemonError, P2PHandlerError, OSError, EOFError, TimeoutError, ValueError)
+# What hivemind's libp2p bindings raise when the daemon cannot reach a peer or start: its own
+# errors, socket and stream errors, a malformed peer id or address (ValueError), an answer that is
+# no protobuf, a timeout. Caught around those calls only, so no bug of ours passes for a dead peer.
+LIBP2P_ERRORS = (P2PDaemonError, P2PHandlerError, OSError, EOFError, TimeoutError, ValueError, DecodeError)
 
 
 def is_circuit(maddr: str) -> bool:
@@ -134,7 +138,7 @@ async def _connect(node: P2P, peer: str, addrs: list[str]) -> None:
         # the daemon takes the peer's id apart from its addresses
         maddrs = [daemon_maddr(a.split("/p2p/")[0]) for a in addrs if not is_circuit(a)]
         await asyncio.wait_for(node._client.connect(PeerID.from_base58(peer), maddrs), DIAL_TIMEOUT)
-    except DAEMON_ERRORS as exc:
+    except LIBP2P_ERRORS as exc:
         log.debug("no connection to relay %s: %r", peer, exc)
 
 
@@ -152,14 +156,14 @@ async def call_back(node: P2P, peer: str) -> None:
     """On a relayed node, asked by `peer`: close the relayed connections to it (the daemon's connect
     does nothing while one is open) and dial it directly at the addresses it gave when it connected.
     A peer with a direct connection already is left as it is, so a stranger can only cut its own."""
-    ends = await _remote_ends(node, peer)
-    if not ends or not all(is_circuit(a) for a in ends):
-        return
-    peer_id = PeerID.from_base58(peer)
     try:
+        ends = await _remote_ends(node, peer)
+        if not ends or not all(is_circuit(a) for a in ends):
+            return
+        peer_id = PeerID.from_base58(peer)
         await node._client.disconnect(peer_id)
         await asyncio.wait_for(node._client.connect(peer_id, []), DIAL_TIMEOUT)
-    except DAEMON_ERRORS as exc:
+    except LIBP2P_ERRORS as exc:
         log.info("cannot call back %s, which reached this peer through a relay: %r", peer, exc)
 
 
@@ -196,7 +200,7 @@ async def _ask(node: P2P, peer: str, circuits: list[str], ask: Callable[[], Awai
             await asyncio.wait_for(reader.read(1), CALL_BACK_WAIT)
         finally:
             writer.close()
-    except DAEMON_ERRORS as exc:
+    except LIBP2P_ERRORS as exc:
         raise PeerUnreachable(f"peer {peer} unreachable through its relays: {exc!r}", peer) from exc
     while not await direct_to(node, peer):
         if time.monotonic() > deadline:

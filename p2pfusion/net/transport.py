@@ -22,15 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-from google.protobuf.message import DecodeError
 from hivemind.p2p import P2P, PeerID
-from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError, P2PHandlerError
 from hivemind.utils.logging import use_hivemind_log_handler
 
 from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
 from p2pfusion.net import wire
 from p2pfusion.net.addresses import ANY, announced, free_port, split_addr
-from p2pfusion.net.circuits import CALL_BACK, CallBacks, CircuitBook, Stream, call_back
+from p2pfusion.net.circuits import CALL_BACK, LIBP2P_ERRORS, CallBacks, CircuitBook, Stream, call_back
 from p2pfusion.net.clients import ClientKey, ClientProof, ConnectionCaps, Source, client_of, source_of, source_of_maddr
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
 from p2pfusion.net.identity import Identity, PeerProof, PeerProofs, client_context, peer_of, verify_peer
@@ -53,10 +51,6 @@ HELLO_LIMITS = FrameLimits(header=2 << 10, body=0)  # a peer's hello carries its
 REFUSAL_LOG_INTERVAL = 10.0
 # Large enough that a 128-token hidden state arrives without pausing the socket half-way.
 STREAM_LIMIT = 8 << 20
-# What hivemind's libp2p bindings raise when the daemon cannot reach a peer or start: its own
-# errors, socket and stream errors, a malformed peer id or address (ValueError), an answer that is
-# no protobuf, a timeout. Caught around those calls only, so no bug of ours passes for a dead peer.
-LIBP2P_ERRORS = (P2PDaemonError, P2PHandlerError, OSError, EOFError, TimeoutError, ValueError, DecodeError)
 DIRECT_ERRORS = (OSError, TimeoutError, ValueError, ProofError)  # a direct dial: refused, silent, or not the peer
 MAX_PROTOCOL = 128
 
