@@ -22,7 +22,12 @@ class ConfigError(P2PFusionError):
 
 
 class BehindNat(ConfigError):
-    """Other peers reach this peer at none of its addresses: it can serve only through relays."""
+    """Other peers reach this peer at none of its addresses: it can serve only through relays;
+    `relays`, full addresses of peers that can be one."""
+
+    def __init__(self, message: str, relays: list[str]):
+        super().__init__(message)
+        self.relays = relays
 
 
 class ProofError(P2PFusionError):

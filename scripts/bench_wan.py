@@ -168,20 +168,42 @@ async def _stalled(source, maddrs: list[str], tokens: int, victim) -> tuple[list
         await client.shutdown()
 
 
+async def _records(maddrs: list[str], model: str) -> dict:
+    client = await join_swarm(maddrs, client_mode=True)
+    try:
+        return {r.peer_id: r for r in await client.lookup(model)}
+    finally:
+        await client.shutdown()
+
+
+def lone_server(source, wan: WanSwarm, maddrs: list[str]):
+    """The peer process whose layers no other peer serves: every route goes through it."""
+    records = uvloop.run(_records(maddrs, source.key))
+    for proc in wan.swarm.processes:
+        me = records.get(proc.address_file.read_text().split()[0].rsplit("/p2p/", 1)[1])
+        if me is not None and not any(r is not me and r.start < me.end and me.start < r.end for r in records.values()):
+            return proc
+    return None
+
+
 def failover(source, layers: int, setup: str, expected: list[int], args) -> float | None:
     """One run's stall at --spec-rtt: None when the generation failed or its tokens differ."""
     third = layers // 3
     if setup == "backup":  # hosts 0-2 hold the stages, host 3 a warm backup of the middle one
         ranges, each, victim, hosts = [(0, third), (third, 2 * third), (2 * third, layers), (third, 2 * third)], \
             [[], [], [], ["--backup"]], 1, 4
-    else:  # each peer chooses, with room for two thirds: 0:20, 20:30, 0:20; the lone 20:30 dies
-        ranges, each, victim, hosts = [None, None, None], [["--max-layers", str(2 * third)]] * 3, 1, 3
+    else:  # each peer chooses, with room for two thirds (0:20, 20:30, 0:20): the lone server of its layers dies
+        ranges, each, victim, hosts = [None, None, None], [["--max-layers", str(2 * third)]] * 3, None, 3
     with HostNetwork(hosts, prefix="p2pfbf", subnet="10.82.0", mbit=args.mbit) as net, \
             WanSwarm(net, list(range(hosts))) as wan:
         wan.delays(lambda a, b: args.spec_rtt / 2000)
         maddrs = wan.start(ranges, each=each, one_by_one=setup != "backup")
+        doomed = wan.swarm.processes[victim] if victim is not None else lone_server(source, wan, maddrs)
+        if doomed is None:
+            print(f"  {setup}: every peer's layers are served twice; no run", file=sys.stderr)
+            return None
         try:
-            stamps, tokens, recoveries = uvloop.run(_stalled(source, maddrs, args.tokens, wan.swarm.processes[victim]))
+            stamps, tokens, recoveries = uvloop.run(_stalled(source, maddrs, args.tokens, doomed))
         except P2PFusionError as exc:
             print(f"  {setup}: FAILED: {exc}", file=sys.stderr)
             return None

@@ -17,6 +17,7 @@ from p2pfusion import __version__
 from p2pfusion.cli.main import build_parser
 from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from tests.conftest import reference_model
+from tests.forked_cli import forked
 from tests.swarm import peers_in_background, running_peers
 from tests.tiny_chat import with_chat_tokenizer
 
@@ -98,25 +99,16 @@ def cases(tiny: dict, tmp: Path, taken_port: int, live: str) -> dict[str, tuple[
 
 @pytest.fixture(scope="module")
 def outcomes(tiny_models, tmp_path_factory) -> dict[str, tuple[tuple[int, str], tuple[str, ...]]]:
-    """Every case's CLI process, run at once: each mostly waits for its imports or a timeout."""
+    """Every case's CLI process, forked from one that has imported the CLI (tests/forked_cli.py)."""
     import socket
-
-    limit = asyncio.Semaphore(6)
-
-    async def one(args):
-        async with limit:
-            return await _run(*args)
-
-    async def all_of(table):
-        results = await asyncio.gather(*(one(args) for args, _ in table.values()))
-        return {name: (result, needles) for (name, (_, needles)), result in zip(table.items(), results)}
 
     with socket.socket() as taken, peers_in_background(tiny_models["llama"], [(0, 4)]) as (_, maddrs, _):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         table = cases(tiny_models, tmp_path_factory.mktemp("cli-errors"), taken.getsockname()[1], maddrs[0])
         assert list(table) == CASE_NAMES  # every case is a test of its own
-        return uvloop.run(all_of(table))
+        results = forked([args for args, _ in table.values()])
+    return {name: ((r.returncode, r.stderr), needles) for (name, (_, needles)), r in zip(table.items(), results)}
 
 
 CASE_NAMES = [
@@ -259,12 +251,11 @@ def test_every_length_message_names_the_limit_that_holds(tiny_models, tmp_path):
     one too long to tokenize at all, are each refused at the swarm's 64."""
     source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "chat")
 
-    async def all_of(maddr):
-        prompts = ("a" * 100, "a" * 300, "a" * 5000)
-        return await asyncio.gather(*(_run("infer", "--model", str(source.folder), "--initial-peers", maddr, p) for p in prompts))
-
     with peers_in_background(source, [(0, 4)], session_limit=64) as (_, maddrs, _loop):
-        results = uvloop.run(all_of(maddrs[0]))
+        prompts = ("a" * 100, "a" * 300, "a" * 5000)
+        results = [(r.returncode, r.stderr) for r in forked(
+            [["infer", "--model", str(source.folder), "--initial-peers", maddrs[0], p] for p in prompts]
+        )]
     for result, needle in zip(results, ("10", "30", "5000 characters cannot fit in the 64 tokens")):
         assert_one_line_error(result, f"prompt too long: {needle}", "the swarm accepts")
         assert "64" in result[1].splitlines()[-1] and "128" not in result[1].splitlines()[-1]

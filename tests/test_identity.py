@@ -43,12 +43,18 @@ def _mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_a_killed_peer_restarts_with_its_identity_and_layers(tiny_models, tmp_path):
+def test_a_killed_peer_comes_back_as_itself_and_the_swarm_outlives_its_bootstrap_peer(tiny_models, tmp_path):
+    """A volunteer killed without a goodbye restarts with its id, certificate, address and layers.
+    A long-lived bootstrap peer (fixed ports, kept identity) goes down: peers and clients that list
+    several initial peers join through any one that answers, and it comes back at its address."""
     source = tiny_models["llama"]
     key = tmp_path / "volunteer.key"
     args = [*FIXED, "--identity", str(key), "--max-layers", "2"]
+    boot_args = [*FIXED, "--identity", str(tmp_path / "boot.key"), "--port", str(_free_port()), "--data-port", str(_free_port())]
+    ids = [3, 17, 42, 99]
     with LocalSwarm(model=str(source.folder)) as swarm:
-        swarm.start([(0, 2)])
+        boot = swarm.launch((0, 2), boot_args)
+        boot_maddr = swarm.wait_ready(boot)[0]
         first = swarm.launch(None, args)
         maddrs = swarm.wait_ready(first)
         peer_id = _peer_id(maddrs)
@@ -64,20 +70,9 @@ def test_a_killed_peer_restarts_with_its_identity_and_layers(tiny_models, tmp_pa
         record = uvloop.run(_records(swarm.maddrs, source.key))[peer_id]
         assert (record.start, record.end, record.state) == (2, 4, PeerState.ONLINE)
         assert record.data_addrs == data_addrs
-        ids = [3, 17, 42, 99]
         assert uvloop.run(_generate(source, swarm.maddrs, ids)) == _reference(source, ids, 8)
 
-
-def test_the_swarm_outlives_its_bootstrap_peer(tiny_models, tmp_path):
-    """A long-lived bootstrap peer (fixed ports, kept identity) goes down: peers and clients that
-    list several initial peers join through any one that answers, and it comes back at its address."""
-    source = tiny_models["qwen2"]
-    boot_args = [*FIXED, "--identity", str(tmp_path / "boot.key"), "--port", str(_free_port()), "--data-port", str(_free_port())]
-    with LocalSwarm(model=str(source.folder)) as swarm:
-        boot = swarm.launch((0, 2), boot_args)
-        boot_maddr = swarm.wait_ready(boot)[0]
-        second = swarm.launch((2, 4), FIXED)
-        both = [boot_maddr, swarm.wait_ready(second)[0]]
+        both = [boot_maddr, maddrs[0]]
         boot.send_signal(signal.SIGTERM)
         assert boot.wait(30) == 0
         swarm.maddrs = both  # a volunteer's saved line, the first of which is down

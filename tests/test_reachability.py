@@ -185,3 +185,22 @@ def test_circuit_addresses_are_built_and_encoded_as_the_daemon_reads_them():
     for bad in ["/ip4/x/tcp/1", "/ip4/1.2.3.4/tcp/99999", "/p2p/0OIl", "nope"]:
         with pytest.raises(ValueError, match="not a multiaddr"):
             circuits.daemon_maddr(bad)
+
+
+def test_a_relayed_peers_daemon_is_told_of_relays_it_can_read():
+    """The listed peers' full addresses, one each, that a relayed peer's daemon asks for slots at its
+    start: never itself, loopback, a circuit or an address the daemon would stop on. Told of four or
+    more, it waits a few seconds for its slots; else the daemon looks for relays itself."""
+    me, good = "12D3KooWHZnok2fyjBTsW7ng3av1kTavsRVgKQ5Z88Xdm9pBmxZY", "QmP9cFWkjZnzejBgh6e8YfCU2h4aNCj2xw1Mh5vV4oV2nr"
+    peers = [
+        (me, [f"/ip4/10.0.0.1/tcp/1/p2p/{me}"]),
+        (good, ["/ip4/127.0.0.1/tcp/4100", f"/ip4/10.79.0.11/tcp/4100/p2p/{good}", "/ip4/10.79.0.11/tcp/9"]),
+        ("0OIl-not-base58", ["/ip4/10.0.0.2/tcp/1"]),
+        ("QmYTPCvX3MkiCzkRKqWd11eQ", ["nonsense", "/ip4/10.0.0.3/tcp/99999", f"/ip4/1.2.3.4/tcp/5/p2p/{good}/p2p-circuit"]),
+    ]
+    peers += [(f"QmP9cFWkjZnzejBgh6e8YfCU2h4aNCj2xw1Mh5vV4oV{i}", [f"/ip6/fd00::{i + 1}/tcp/1"]) for i in range(10, 20)]
+    found = circuits.relay_addresses(peers, me)
+    assert found[0] == f"/ip4/10.79.0.11/tcp/4100/p2p/{good}"
+    assert len(found) == circuits.MAX_CIRCUITS and all(a.startswith("/ip6/fd00::") for a in found[1:])
+    assert circuits.relay_addresses(peers[:1], me) == []
+    assert circuits.slot_wait(len(found)) < 15 < circuits.slot_wait(circuits.MIN_RELAYS - 1)

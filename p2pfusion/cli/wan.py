@@ -189,7 +189,7 @@ class WanSwarm:
             own = each[i] if each is not None else []
             peers.append(self.swarm.launch(layers, [*args, *(extra or []), *own], prefix=self.net.prefix_of(i)))
             if i == 0 or one_by_one:
-                self.swarm.wait_ready(peers[0])
+                self.swarm.wait_ready(peers[i])
         for proc in peers[1:]:
             self.swarm.wait_ready(proc)
         return self.swarm.maddrs

@@ -257,17 +257,17 @@ async def join_swarm(
     data_port: int = 0,
     announce_host: str | None = None,
     secret: SwarmSecret | None = None,
-    relayed: bool = False,
+    relays: list[str] | None = None,
 ) -> SwarmNode:
     """Start libp2p and the DHT; a peer (not a client) also takes direct connections on `data_port`.
     An empty `initial_peers` starts a new swarm. Others reach this node at `announce_host` if given,
-    or, `relayed` (behind a NAT), through relays only. A client's daemon listens on every interface
-    unless `host` says otherwise, so that a peer behind a NAT can call it back (net/circuits.py); a
-    peer's on `host`, loopback by default.
+    or, given `relays` (behind a NAT), through relays only, those asked first. A client's daemon
+    listens on every interface unless `host` says otherwise, so that a peer behind a NAT can call it
+    back (net/circuits.py); a peer's on `host`, loopback by default.
     With a `secret`, the swarm is private: only nodes holding it answer this one, and it only them."""
     host = host or ("0.0.0.0" if client_mode else "127.0.0.1")
     transport = await Transport.start(
-        initial_peers, host, port, identity_path, client_mode, announce_host, secret, relayed
+        initial_peers, host, port, identity_path, client_mode, announce_host, secret, relays
     )
     try:
         if not client_mode:

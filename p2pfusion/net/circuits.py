@@ -3,9 +3,10 @@ through another peer's relay (libp2p's circuit relay v2), at `<relay's address>/
 p2p-circuit/p2p/<peer>`.
 
 The libp2p daemon reserves a slot at some relays on its own (autorelay) but does not say which, so
-a relayed peer connects to several relays (its daemon asks for slots within seconds once it knows
-four, after three minutes when it knows fewer), lets it ask, and announces a circuit through each
-relay it is connected to; a dialler's daemon tries them all at once, and those holding no slot
+a relayed peer starts its daemon naming the swarm's listed peers as relays (it asks them at once
+when they are four or more; else it looks for relays itself, first after 15 s, and asks once it
+knows four, or after three minutes), connects to several, lets it ask, and announces a circuit
+through each relay it is connected to; a dialler's daemon tries them all at once, and those holding no slot
 fail at once. (Which hold one cannot be checked from the peer's own host: a dial from there
 through a relay opened even where a dialler elsewhere was refused.) hivemind's `Multiaddr` writes a
 `/p2p/` id as a CIDv1, which the Go daemon cannot read (it expects the bare multihash), so the
@@ -47,9 +48,12 @@ Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 CIRCUIT = "p2p-circuit"
 MAX_CIRCUITS = 8  # relays a relayed peer announces (a record lists at most this many addresses)
 DIAL_TIMEOUT = 5.0  # seconds a dial to a relay may take
-# seconds a relayed peer leaves its daemon to ask connected relays for slots (it took 14 s once it
-# knew four; announcing after 20 s, a dialler was still refused now and then)
+# Seconds a relayed peer leaves its daemon to ask relays for slots. Told of MIN_RELAYS or more at
+# its start, it holds two slots 0.3 s later. Else it finds relays itself, first after 15 s: it held
+# slots after 14-19 s, and announcing after 20 s, a dialler was still refused now and then.
+NAMED_SLOT_WAIT = 10.0
 SLOT_WAIT = 45.0
+MIN_RELAYS = 4  # relays the daemon knows before it asks any for a slot (earlier: after 3 minutes)
 SLOT_POLL = 2.0  # seconds between reads of the swarm's peers to connect to
 MAX_RELAYED_PEERS = 1024  # relayed peers whose addresses a node keeps
 CALL_BACK = "p2pfusion.call-back.v1"
@@ -103,6 +107,34 @@ class CircuitBook:
 
     def get(self, peer_id: str) -> list[str]:
         return self._circuits.get(peer_id, [])
+
+
+def slot_wait(named: int) -> float:
+    """Seconds to leave a relayed peer's daemon to reserve slots, told of `named` relays at its start."""
+    return NAMED_SLOT_WAIT if named >= MIN_RELAYS else SLOT_WAIT
+
+
+def relay_addresses(peers: list[tuple[str, list[str]]], me: str) -> list[str]:
+    """Full addresses (`.../p2p/<id>`) of up to MAX_CIRCUITS of these peers (id, addresses) that a
+    relayed node's daemon can be told to ask for slots at once: one each, neither loopback nor a
+    circuit, nor one the daemon could not read (it stops on a bad one)."""
+    found = []
+    for peer, addrs in peers:
+        if peer == me:
+            continue
+        for addr in addrs:
+            base = addr.split("/p2p/")[0]
+            parts = base.split("/")
+            if is_circuit(addr) or len(parts) < 3 or parts[2].startswith("127.") or parts[2] == "::1":
+                continue
+            try:
+                PeerID.from_base58(peer)
+                daemon_maddr(f"{base}/p2p/{peer}")
+            except ValueError:
+                continue
+            found.append(f"{base}/p2p/{peer}")
+            break
+    return found[:MAX_CIRCUITS]
 
 
 def circuits_through(relays: list[tuple[str, list[str]]], me: str) -> list[str]:

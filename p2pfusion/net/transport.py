@@ -72,10 +72,11 @@ class Transport:
 
     def __init__(
         self, p2p: P2P, identity: Identity | None, announce_host: str | None = None, initial_peers: Sequence[str] = (),
-        secret: SwarmSecret | None = None, relayed: bool = False,
+        secret: SwarmSecret | None = None, relays: list[str] | None = None,
     ):
         self.p2p = p2p
-        self.relayed = relayed  # behind a NAT: others reach this node through relays only
+        # behind a NAT, others reach this node through relays only: those its daemon was told to ask
+        self.relays = relays
         self.identity = identity
         self.data_addrs: list[str] = []
         self._handlers: dict[str, Handler] = {}
@@ -107,16 +108,18 @@ class Transport:
         client_mode: bool,
         announce_host: str | None = None,
         secret: SwarmSecret | None = None,
-        relayed: bool = False,
+        relays: list[str] | None = None,
     ) -> Transport:
         """Start libp2p. A peer always gets an identity held here, so its TLS certificate can prove it.
         `announce_host` is the address others reach this host at, when it listens on 0.0.0.0 behind
-        a forwarded port or has several interfaces. `relayed`: this host takes no inbound connection
-        (a NAT), so its daemon reserves slots at relays (net/circuits.py)."""
+        a forwarded port or has several interfaces. `relays`, when given: this host takes no inbound
+        connection (a NAT), so its daemon reserves slots at relays, asking these (full addresses)
+        at once (net/circuits.py)."""
         kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=initial_peers)
-        if relayed:
-            # AutoNAT would find it out only from peers on public addresses; the caller knows already
-            kwargs.update(use_auto_relay=True, force_reachability="private")
+        if relays is not None:
+            # AutoNAT would find it out only from peers on public addresses; the caller knows already.
+            # Relays named are asked at once; others wait for the daemon's discovery, 15 s or more.
+            kwargs.update(use_auto_relay=True, force_reachability="private", trusted_relays=relays or None)
         identity, scratch = None, None
         # a client keeps an identity only when given one: a training run's driver, whom the run's
         # replicas obey by its peer id
@@ -155,10 +158,14 @@ class Transport:
         finally:
             if scratch is not None:
                 scratch.cleanup()  # the daemon has read the key; this process holds it in memory
-        transport = cls(p2p, identity, announce_host, initial_peers, secret, relayed)
-        if relayed:
+        transport = cls(p2p, identity, announce_host, initial_peers, secret, relays)
+        if relays is not None:
             await transport.add_handler(CALL_BACK, transport._call_back)
         return transport
+
+    @property
+    def relayed(self) -> bool:
+        return self.relays is not None
 
     @property
     def peer_id(self) -> str:

@@ -285,7 +285,10 @@ class Peer:
         # a host behind a NAT, which relays can carry, unless its owner named the address to use
         checked = found.checker.startswith(reach.BY_NEIGHBOURS)
         if found.unreachable and not found.reached_any and checked and announced is None:
-            raise BehindNat(f"no other peer reaches this one at any address it has ({where})")
+            listed = [(r.peer_id, r.maddrs) for r in records if r.state != PeerState.OFFLINE]
+            joined = [(m.rsplit("/p2p/", 1)[1], [m]) for m in transport.initial_peers if "/p2p/" in m]
+            raise BehindNat(f"no other peer reaches this one at any address it has ({where})",
+                            circuits.relay_addresses(listed + joined, self.swarm.peer_id))
         if found.unreachable and not found.maddrs and not found.data_addrs:
             raise ConfigError(f"no address this peer announces can be reached ({where}; {found.checker}), "
                               f"so it claims no layers. {fix}")
@@ -295,7 +298,8 @@ class Peer:
         """Behind a NAT: circuits through the relays it connected to (the swarm's other peers), once
         its daemon had time to ask them for slots (net/circuits.py). A fresh node's first reads
         may list few peers, so it reads again while it waits."""
-        transport, deadline = self.swarm.transport, time.monotonic() + circuits.SLOT_WAIT
+        transport = self.swarm.transport
+        deadline = time.monotonic() + circuits.slot_wait(len(transport.relays))
         while time.monotonic() < deadline:
             records, _ = await self.live_records()
             listed = [(r.peer_id, r.maddrs) for r in records if r.state != PeerState.OFFLINE]

@@ -44,7 +44,7 @@ async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSourc
             log.warning("%s: joining again, to serve through relays", exc)
             await swarm.shutdown()
             swarm = None  # nothing to shut down if joining again fails
-            swarm = await _join(options, relayed=True)
+            swarm = await _join(options, relays=exc.relays)
             peer = Peer(options, swarm)
             await peer.start()
         maddrs = peer.record.maddrs  # those others reached when checked (net/reach.py)
@@ -65,15 +65,15 @@ async def serve(options: PeerOptions, on_ready=None, others: Sequence[ModelSourc
             await swarm.shutdown()
 
 
-async def _join(options: PeerOptions, relayed: bool = False) -> SwarmNode:
+async def _join(options: PeerOptions, relays: list[str] | None = None) -> SwarmNode:
     """The peer's node, on the ports its identity kept from its last run unless told others;
-    `relayed`, behind a NAT (net/circuits.py)."""
+    given `relays`, behind a NAT (net/circuits.py)."""
     port, data_port = kept_ports(options.identity, options.port, options.data_port)
 
     async def join(port: int, data_port: int) -> SwarmNode:
         return await join_swarm(
             options.initial_peers, options.host, port, options.identity, data_port=data_port,
-            announce_host=options.announce_host, secret=options.swarm_secret, relayed=relayed,
+            announce_host=options.announce_host, secret=options.swarm_secret, relays=relays,
         )
 
     try:
