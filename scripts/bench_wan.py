@@ -17,7 +17,7 @@ R = 0 (each hop's compute, the links' own cost and the client's head, measured i
   with --draft-layers N, drafts from a draft model made of the default model's first N layers and
   its head (N = all its layers: a drafter that always agrees, the upper bound).
 - failover: at --spec-rtt, fresh swarms whose stage peer is killed (SIGKILL) after 12 tokens, with a
-  warm `--backup` and without one (a peer must move); the stall is the longest gap between tokens
+  warm `--backup` and without one (the peer that alone serves its layers dies, and a peer must move); the stall is the longest gap between tokens
   less the median, each run's tokens compared with transformers' greedy tokens.
 Needs root. Usage: sudo .venv/bin/python scripts/bench_wan.py [--parts sweep,spec,failover]
 [--rtts 0,20,50,100] [--tokens 32] [--runs 2] [--draft-layers 30]

@@ -144,4 +144,8 @@ class HostNetwork:
         natted = [f"{self.prefix}n{j}" for j in range(self.behind_nat)] + ([f"{self.prefix}r"] if self.behind_nat else [])
         for ns in [self.namespace(i) for i in range(self.hosts)] + natted:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        # a namespace goes, with its end of each veth, only once the last process in it has exited:
+        # the ends here go now, so that a network of the same names can follow at once
+        for outside in [f"{self.prefix}v{i}" for i in range(self.hosts)] + ([f"{self.prefix}vr"] if self.behind_nat else []):
+            subprocess.run(["ip", "link", "del", outside], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
