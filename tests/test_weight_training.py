@@ -23,6 +23,7 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.net import run_messages as t
 from p2pfusion.net.averaging import AveragingFailed, GroupAverager
 from p2pfusion.net.compression import Codec, Purpose
+from p2pfusion.net.robust import _median, _opposed, robust_mean
 from p2pfusion.net.run_calls import call, fetch_state
 from p2pfusion.peer.balance import misfit, training_stage
 from p2pfusion.peer.replica import OuterHyper
@@ -334,6 +335,27 @@ def test_one_bad_member_of_four_barely_moves_the_average(poison):
         assert all(torch.equal(a, b) for a, b in zip(result, results[0]))  # every honest member alike
         error = float((torch.cat([t.reshape(-1) for t in result]) - mean).norm())
         assert error < spread, (error, spread)
+
+
+def test_an_honest_pseudo_gradient_reversed_is_left_out_though_no_further_than_the_others():
+    """Pseudo-gradients of a model far from trained: a shared direction under noise twice its size
+    (cosines of about 0.2 between members, as measured). One member's own vector reversed is no
+    further from the others than they are from each other, but points away from their median: it
+    is left out. Honest members are all kept, and two of four reversed leave no majority to trust."""
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randn(20_000, generator=generator)
+    honest = [shared + 2 * torch.randn(20_000, generator=generator) for _ in range(4)]
+    assert robust_mean(honest).left_out == ()
+    flipped = robust_mean([*honest[:3], -honest[3]])
+    assert flipped.left_out == (3,)
+    assert torch.allclose(flipped.value, robust_mean(honest[:3]).value)
+    assert robust_mean([*honest[:2], -honest[2], -honest[3]]).left_out == ()
+    # each member against the median of the others, found without sorting again: as by hand, ties too
+    for members in range(3, 7):
+        stacked = torch.randint(-2, 3, (members, 40), generator=generator).float()
+        by_hand = [k for k in range(members) if float(stacked[k] @ _median(torch.cat([stacked[:k], stacked[k + 1:]]))) <= 0
+                   or float(stacked[k].norm()) == 0]
+        assert _opposed(stacked) == by_hand
 
 
 def test_whom_a_replica_obeys_and_whose_state_a_joiner_copies():

@@ -12,8 +12,8 @@ charter lists: peer/run_owner.py); a stream counts as a member's only when it pr
 member's peer id. A round in which some member's tensors did not come, or came in the wrong
 is an `AveragingFailed` on the members that missed them: their tensors are left as they were, and
 the driver runs the round again with the members that answer. A member whose tensors came in the
-wrong shapes, not finite, or far larger than the others', is left out of the mean by every member
-alike. (A member that sends different tensors to different members would make them disagree:
+wrong shapes, not finite, far larger than the others' or pointing away from them (net/robust.py),
+is left out of the mean by every member alike. (A member that sends different tensors to different members would make them disagree:
 the next joiner copies the state most replicas hold, peer/run_owner.py `agreed`.)
 """
 
@@ -152,7 +152,8 @@ class GroupAverager:
         aggregate = await asyncio.to_thread(robust_mean, flat)
         left_out = sorted(set(members) - set(usable)) + [usable[i] for i in aggregate.left_out]
         if left_out:
-            log.warning("averaging: left out %s (tensors malformed, not finite, or far larger than the others')",
+            log.warning("averaging: left out %s (tensors malformed, not finite, far larger than the others' or "
+                        "pointing away from them)",
                         ", ".join(left_out))
         parts = aggregate.value.split([t.numel() for t in local])
         return Averaged([part.view_as(t).clone() for part, t in zip(parts, local)], left_out)

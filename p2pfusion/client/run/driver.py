@@ -345,7 +345,7 @@ class TrainingRun:
                 self._ready.pop(peer, None)
                 log.warning(
                     "training run %s: replica %s of layers %s sent a pseudo-gradient the others left out (not finite, "
-                    "misshapen, or far from theirs); leaving it out of the run for %.0f s",
+                    "misshapen, far from theirs or pointing away from them); leaving it out of the run for %.0f s",
                     self.config.run, peer, layers, EVICT_SECONDS,
                 )
 
