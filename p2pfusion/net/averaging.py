@@ -13,8 +13,9 @@ member's peer id. A round in which some member's tensors did not come, or came i
 is an `AveragingFailed` on the members that missed them: their tensors are left as they were, and
 the driver runs the round again with the members that answer. A member whose tensors came in the
 wrong shapes, not finite, far larger than the others' or pointing away from them (net/robust.py),
-is left out of the mean by every member alike. (A member that sends different tensors to different members would make them disagree:
-the next joiner copies the state most replicas hold, peer/run_owner.py `agreed`.)
+is left out of the mean by every member alike. (A member that sends different tensors to
+different members would make them disagree: the next joiner copies the state most replicas hold,
+peer/run_owner.py `agreed`.)
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ The libp2p daemon reserves a slot at some relays on its own (autorelay) but does
 a relayed peer starts its daemon naming the swarm's listed peers as relays (it asks them at once
 when they are four or more; else it looks for relays itself, first after 15 s, and asks once it
 knows four, or after three minutes), connects to several, lets it ask, and announces a circuit
-through each relay it is connected to; a dialler's daemon tries them all at once, and those holding no slot
-fail at once. (Which hold one cannot be checked from the peer's own host: a dial from there
+through each relay it is connected to; a dialler's daemon tries them all at once, and those
+holding no slot fail at once. (Which hold one cannot be checked from the peer's own host: a dial from there
 through a relay opened even where a dialler elsewhere was refused.) hivemind's `Multiaddr` writes a
 `/p2p/` id as a CIDv1, which the Go daemon cannot read (it expects the bare multihash), so the
 addresses a dialler hands its daemon are encoded here.
@@ -120,15 +120,16 @@ def relay_addresses(peers: list[tuple[str, list[str]]], me: str) -> list[str]:
     circuit, nor one the daemon could not read (it stops on a bad one)."""
     found = []
     for peer, addrs in peers:
-        if peer == me:
+        try:
+            PeerID.from_base58(peer)
+        except ValueError:
             continue
-        for addr in addrs:
+        for addr in addrs if peer != me else []:
             base = addr.split("/p2p/")[0]
             parts = base.split("/")
             if is_circuit(addr) or len(parts) < 3 or parts[2].startswith("127.") or parts[2] == "::1":
                 continue
             try:
-                PeerID.from_base58(peer)
                 daemon_maddr(f"{base}/p2p/{peer}")
             except ValueError:
                 continue

@@ -8,13 +8,13 @@ honest one, but far from the others), and then a minority that points away from 
 coordinate-wise median (a cosine of 0 or less). That last catches an honest vector reversed,
 which the distance does not: the replicas' pseudo-gradients of a model far from trained, each
 from its own micro-batches, are as far from each other as from it, yet each agrees with the
-others' median in direction (cosines of 0.17 to 0.5 measured in `scripts/bench_poisoned_run.py`). The rest are combined by CenteredClip
-(Karimireddy, He and Jaggi, ICML 2021; used by BTARD, Gorbunov et al. 2022): starting from the
-coordinate-wise median, each iteration moves by the mean of the members' differences from the
-current point, each clipped to a radius of CLIP_SCALE times their median distance. Members that
-agree are not clipped, and their average comes out; one far from the others moves it by at most
-the radius over the member count. Two members cannot outvote each other: their aggregate is
-their average.
+others' median in direction (cosines of 0.17 to 0.5 measured in `scripts/bench_poisoned_run.py`).
+The rest are combined by CenteredClip (Karimireddy, He and Jaggi, ICML 2021; used by BTARD,
+Gorbunov et al. 2022): starting from the coordinate-wise median, each iteration moves by the mean
+of the members' differences from the current point, each clipped to a radius of CLIP_SCALE times
+their median distance. Members that agree are not clipped, and their average comes out; one far
+from the others moves it by at most the radius over the member count. Two members cannot outvote
+each other: their aggregate is their average.
 """
 
 from __future__ import annotations
