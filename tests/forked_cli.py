@@ -12,12 +12,15 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 PARALLEL = 6  # children at once: most of each waits for a dial or a timeout
+CASE_TIMEOUT = 120.0  # seconds a child may run before it is killed (its result then says so)
 
 
 def forked(cases: list[list[str]], timeout: float = 300) -> list[subprocess.CompletedProcess]:
@@ -49,7 +52,7 @@ def _child(argv: list[str], out_path: str, err_path: str) -> None:
 def _run_all(cases: list[list[str]]) -> list[tuple[int, str, str]]:
     importlib.import_module("p2pfusion.cli.commands")  # what the commands import: torch, transformers, hivemind
     results: dict[int, tuple[int, str, str]] = {}
-    running: dict[int, tuple[int, str]] = {}  # pid: (case index, its files' prefix)
+    running: dict[int, tuple[int, str, float]] = {}  # pid: (case index, its files' prefix, deadline)
     with tempfile.TemporaryDirectory() as tmp:
         pending = list(enumerate(cases))
         while pending or running:
@@ -59,9 +62,15 @@ def _run_all(cases: list[list[str]]) -> list[tuple[int, str, str]]:
                 pid = os.fork()
                 if pid == 0:
                     _child(argv, f"{prefix}.out", f"{prefix}.err")
-                running[pid] = (index, prefix)
-            pid, status = os.wait()
-            index, prefix = running.pop(pid)
+                running[pid] = (index, prefix, time.monotonic() + CASE_TIMEOUT)
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                for late, (_, _, deadline) in running.items():
+                    if time.monotonic() > deadline:
+                        os.kill(late, signal.SIGKILL)
+                time.sleep(0.05)
+                continue
+            index, prefix, _ = running.pop(pid)
             texts = [Path(f"{prefix}.{kind}").read_text(errors="replace") for kind in ("out", "err")]
             results[index] = (os.waitstatus_to_exitcode(status), *texts)
     return [results[i] for i in range(len(cases))]
