@@ -2,7 +2,6 @@
 its layers back), key files stay private, and a swarm outlives its bootstrap peer."""
 
 import signal
-import socket
 import stat
 
 import pytest
@@ -13,6 +12,7 @@ from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import ConfigError
+from p2pfusion.net.addresses import free_port
 from p2pfusion.net.identity import Identity
 from tests.test_churn import _reference
 
@@ -50,7 +50,7 @@ def test_a_killed_peer_comes_back_as_itself_and_the_swarm_outlives_its_bootstrap
     source = tiny_models["llama"]
     key = tmp_path / "volunteer.key"
     args = [*FIXED, "--identity", str(key), "--max-layers", "2"]
-    boot_args = [*FIXED, "--identity", str(tmp_path / "boot.key"), "--port", str(_free_port()), "--data-port", str(_free_port())]
+    boot_args = [*FIXED, "--identity", str(tmp_path / "boot.key"), "--port", str(free_port("127.0.0.1")), "--data-port", str(free_port("127.0.0.1"))]
     ids = [3, 17, 42, 99]
     with LocalSwarm(model=str(source.folder)) as swarm:
         boot = swarm.launch((0, 2), boot_args)
@@ -83,12 +83,6 @@ def test_a_killed_peer_comes_back_as_itself_and_the_swarm_outlives_its_bootstrap
         back = swarm.launch((0, 2), boot_args)
         assert swarm.wait_ready(back)[0] == boot_maddr
         assert uvloop.run(_generate(source, [boot_maddr], ids)) == _reference(source, ids, 8)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_identity_files_are_private_and_kept(tmp_path):

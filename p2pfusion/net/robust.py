@@ -35,20 +35,21 @@ class Aggregate:
     left_out: tuple[int, ...]  # indices of the members whose vectors were not used at all
 
 
-def _median(stacked: torch.Tensor) -> torch.Tensor:
-    """Coordinate-wise median of [members, n], the mean of the middle two for an even count."""
-    ordered = stacked.sort(dim=0).values
+def _median(stacked: torch.Tensor, ordered: torch.Tensor | None = None) -> torch.Tensor:
+    """Coordinate-wise median of [members, n], the mean of the middle two for an even count;
+    `ordered`: its values sorted along members, when the caller has them."""
+    ordered = stacked.sort(dim=0).values if ordered is None else ordered
     count = ordered.shape[0]
     if count % 2:
         return ordered[count // 2].clone()
     return (ordered[count // 2 - 1] + ordered[count // 2]) / 2
 
 
-def _opposed(stacked: torch.Tensor) -> list[int]:
+def _opposed(stacked: torch.Tensor, ordered: torch.Tensor) -> list[int]:
     """The members whose cosine with the coordinate-wise median of the others is not positive (a
-    zero vector points nowhere). A member's own value counts in no median it is compared with:
-    the others' p-th value is the sorted p-th where that is below the member's, else the next."""
-    ordered = stacked.sort(dim=0).values
+    zero vector points nowhere); `ordered`: `stacked` sorted along members. A member's own value
+    counts in no median it is compared with: the others' p-th value is the sorted p-th where that
+    is below the member's, else the next."""
     count = ordered.shape[0]
     middle = [(count - 2) // 2] if count % 2 == 0 else [(count - 1) // 2 - 1, (count - 1) // 2]
     opposed = []
@@ -72,7 +73,8 @@ def robust_mean(vectors: list[torch.Tensor]) -> Aggregate:
     if not finite:
         return Aggregate(torch.zeros_like(vectors[0]), tuple(range(len(vectors))))
     stacked = torch.stack([vectors[i] for i in finite])
-    center = _median(stacked)
+    ordered = stacked.sort(dim=0).values
+    center = _median(stacked, ordered)
     if len(finite) >= 3:
         distances = (stacked - center).norm(dim=1)
         bound = DISTANCE_BOUND * float(distances.median())
@@ -80,9 +82,10 @@ def robust_mean(vectors: list[torch.Tensor]) -> Aggregate:
         if len(kept) < len(finite):  # the sort over every member's values again, only when one went
             finite = [finite[k] for k in kept]
             stacked = stacked[kept]
-            center = _median(stacked)
+            ordered = stacked.sort(dim=0).values
+            center = _median(stacked, ordered)
     if len(finite) >= 3:
-        opposed = _opposed(stacked)
+        opposed = _opposed(stacked, ordered)
         if 0 < len(opposed) < len(finite) / 2:  # a majority's direction, or none to trust
             kept = [k for k in range(len(finite)) if k not in opposed]
             finite = [finite[k] for k in kept]
