@@ -274,8 +274,8 @@ def report(r: dict, source, args) -> None:
             print(f"{rtt:>7.0f} {jitter:>6.0f} {loss:>5.2f} {1000 * seconds:>9.1f} {1000 * bound:>9.1f} "
                   f"{seconds / bound:>6.2f} {1000 * r['ttft'][row]:>15.0f} {r['forward'][row]:>16.2f} "
                   f"{f'{1000 * p50:.0f}/{1000 * p99:.0f}':>18} {1000 * r['join'][row]:>8.0f}")
-    if r["users"]:
-        zero, far = r["users"].get(0.0), r["users"].get(args.spec_rtt)
+    zero, far = r["users"].get(0.0), r["users"].get(args.spec_rtt)
+    if zero is not None and far is not None:  # --rtts may leave out --spec-rtt
         print(f"{args.users} users at once: {zero:.1f} tokens/s at 0 ms (the peers' compute limit here), {far:.1f} at "
               f"{args.spec_rtt:.0f} ms, ratio {far / zero:.2f}")
     for (drafter, group), ratios in r["spec"].items():

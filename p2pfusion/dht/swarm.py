@@ -18,6 +18,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
+from p2pfusion.dht.patience import Patience, reading
 from p2pfusion.dht.private import SecretAuthorizer
 from p2pfusion.dht.records import (
     MAX_DATA_ADDRS,
@@ -46,6 +47,11 @@ LOOKUP_TIMEOUT = 5.0  # seconds a DHT read may take before its caller goes on wi
 # per key. Well above that, so that a full key's junk (which may expire last) crowds nothing out
 MAX_FOUND = 4 * MAX_SUBKEYS
 HEAL_PINGS = 8  # peers pinged per heal
+HEAL_DIAL_WAIT = 1.0  # seconds a heal waits for its dials to initial peers
+# seconds a join waits for its DHT neighbours to answer, its own search for more included; the search
+# goes on after it. hivemind's default is its whole request timeout (3 s), spent in full whenever
+# one neighbour is silent
+BOOTSTRAP_WAIT = 0.25
 REMEMBERED = 600.0  # seconds a peer seen in a lookup stays a candidate for healing
 MAX_REMEMBERED = 1024
 
@@ -97,7 +103,8 @@ class SwarmNode:
 
     async def _get(self, key: str):
         try:
-            return await asyncio.wait_for(self.dht.get(key, latest=True), LOOKUP_TIMEOUT)
+            with reading():
+                return await asyncio.wait_for(self.dht.get(key, latest=True), LOOKUP_TIMEOUT)
         except asyncio.TimeoutError:
             log.warning("DHT read of %s took over %.0f s; going on without it", key, LOOKUP_TIMEOUT)
             return None
@@ -205,6 +212,8 @@ class SwarmNode:
         missing = lost[:HEAL_PINGS]
         if not missing:
             return 0
+        # the daemon may have forgotten an initial peer's address, which it knew from the dial only
+        await self.transport.redial([p.to_base58() for p in missing], HEAL_DIAL_WAIT)
         answers = await asyncio.gather(*(self.dht.protocol.call_ping(p) for p in missing))
         back = [p for p, node_id in zip(missing, answers) if node_id is not None]
         for peer in back:
@@ -281,9 +290,10 @@ async def join_swarm(
         initial_peers = transport.initial_peers
         authorizer = None if secret is None else SecretAuthorizer(secret)
         try:
+            # only the initial peers that answered the transport's dials: the others would be waited for
             dht = await DHTNode.create(
-                p2p=transport.p2p, initial_peers=initial_peers, record_validator=validator, client_mode=client_mode,
-                authorizer=authorizer,
+                p2p=transport.p2p, initial_peers=transport.reached, record_validator=validator,
+                client_mode=client_mode, authorizer=authorizer, bootstrap_timeout=BOOTSTRAP_WAIT,
             )
         except (*LIBP2P_ERRORS, RuntimeError) as exc:  # RuntimeError: hivemind's "bootstrap failed"
             if "none of the initial_peers responded" in str(exc):
@@ -291,6 +301,9 @@ async def join_swarm(
             raise RouteError(f"cannot join the DHT through {initial_peers}: {exc}") from exc
         dht.protocol.storage = _capped(dht.protocol.storage)
         dht.protocol.cache = _capped(dht.protocol.cache)
+        patience = Patience(dht.blacklist)
+        for name in ("call_find", "call_store", "call_ping"):
+            setattr(dht.protocol, name, patience.wrap(getattr(dht.protocol, name)))
     except BaseException:
         await transport.shutdown()
         raise

@@ -28,6 +28,7 @@ from hivemind.utils.logging import use_hivemind_log_handler
 from p2pfusion.errors import ConfigError, PeerUnreachable, ProofError, RouteError
 from p2pfusion.net import wire
 from p2pfusion.net.addresses import ANY, announced, free_port, split_addr
+from p2pfusion.net import bootstrap
 from p2pfusion.net.circuits import CALL_BACK, LIBP2P_ERRORS, CallBacks, CircuitBook, Stream, call_back
 from p2pfusion.net.clients import ClientKey, ClientProof, ConnectionCaps, Source, client_of, source_of, source_of_maddr
 from p2pfusion.net.framing import FrameError, FrameLimits, encode, read_frame, write_frame
@@ -94,6 +95,7 @@ class Transport:
         self._next_refusal_log = 0.0
         self.announce_host = announce_host
         self.initial_peers = list(initial_peers)  # those it joined through (never itself)
+        self.reached: list[str] = []  # those of them that answered its dials while it joined
         self.secret = secret  # a private swarm's: every stream's hello, both ways, proves it
         self.circuit_book = CircuitBook()  # relayed peers' addresses, from their records
         self.call_backs = CallBacks()
@@ -115,7 +117,8 @@ class Transport:
         a forwarded port or has several interfaces. `relays`, when given: this host takes no inbound
         connection (a NAT), so its daemon reserves slots at relays, asking these (full addresses)
         at once (net/circuits.py)."""
-        kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"], initial_peers=initial_peers)
+        # no bootstrap peers for the daemon, which dials them one by one: they are dialled at once below
+        kwargs = dict(host_maddrs=[f"/ip4/{host}/tcp/{port}"])
         if relays is not None:
             # AutoNAT would find it out only from peers on public addresses; the caller knows already.
             # Relays named are asked at once; others wait for the daemon's discovery, 15 s or more.
@@ -135,9 +138,9 @@ class Transport:
             kwargs["identity_path"] = str(key_file)
             # bootstrap peers can share one list of each other's addresses: each skips its own
             initial_peers = [m for m in initial_peers if not m.endswith(f"/p2p/{identity.peer_id}")]
-            kwargs["initial_peers"] = initial_peers
             # a key made just now is nobody else's; a kept one is checked (two peers must not share it)
-            kwargs["check_if_identity_free"] = kept
+            if kept and initial_peers and await bootstrap.identity_taken(identity.peer_id, initial_peers):
+                raise ConfigError(f"another running peer already uses the identity in {identity_path}")
         if announce_host is not None:
             port = port or free_port(host)  # libp2p announces explicit ports only
             kwargs["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
@@ -145,20 +148,21 @@ class Transport:
         try:
             p2p = await asyncio.wait_for(P2P.create(**kwargs), JOIN_TIMEOUT)
         except TimeoutError as exc:
-            raise RouteError(f"cannot reach any initial peer within {JOIN_TIMEOUT:.0f} s: {initial_peers}") from exc
+            raise RouteError(f"the libp2p daemon did not start within {JOIN_TIMEOUT:.0f} s") from exc
         except LIBP2P_ERRORS as exc:
-            if "already taken" in str(exc):
-                raise ConfigError(f"another running peer already uses the identity in {identity_path}") from exc
-            if "bootstrap" in str(exc):  # the daemon's own words add nothing: no chained traceback
-                raise RouteError(
-                    f"no initial peer is reachable: {', '.join(initial_peers)} (is a peer running there? an address "
-                    "from an earlier run is stale once its peer stopped)"
-                ) from None
             raise RouteError(f"cannot join the swarm through {initial_peers}: {str(exc).splitlines()[0]}") from exc
         finally:
             if scratch is not None:
                 scratch.cleanup()  # the daemon has read the key; this process holds it in memory
+        try:
+            reached, dialling = await bootstrap.reach(p2p, initial_peers)
+        except RouteError:
+            await p2p.shutdown()
+            raise
         transport = cls(p2p, identity, announce_host, initial_peers, secret, relays)
+        transport.reached = reached
+        for task in dialling:
+            transport._spawn(task)
         if relays is not None:
             await transport.add_handler(CALL_BACK, transport._call_back)
         return transport
@@ -239,6 +243,16 @@ class Transport:
                 self._refused, self.caps.per_source, self.caps.total, source,
             )
             self._refused, self._next_refusal_log = 0, now + REFUSAL_LOG_INTERVAL
+
+    async def redial(self, peer_ids: list[str], wait: float) -> None:
+        """Dial those of these peers that are initial peers again, waiting at most `wait` seconds;
+        a dial still under way (a silent peer's) goes on in the background."""
+        wanted = set(peer_ids)
+        dials = [asyncio.ensure_future(bootstrap.dial(self.p2p, m)) for m in self.initial_peers if m.rsplit("/p2p/", 1)[-1] in wanted]
+        if dials:
+            await asyncio.wait(dials, timeout=wait)
+        for task in dials:
+            self._spawn(task)
 
     def _spawn(self, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)

@@ -1,0 +1,74 @@
+"""Nodes that stay silent without refusing (a suspended host: SIGSTOP on its libp2p daemon, its
+connections open) cost a joining client, a read and a store no request timeout: what the others
+hold is found without them. Real DHT nodes on 127.0.0.1."""
+
+import os
+import signal
+import time
+
+import pytest
+import uvloop
+
+from p2pfusion.dht.records import ModelEntry
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import ConfigError
+
+
+def _entry(i: int) -> ModelEntry:
+    return ModelEntry(f"model-{i}", f"model {i}", 4, 64)
+
+
+def test_silent_initial_peers_cost_a_join_a_read_and_a_store_no_timeout():
+    async def main():
+        nodes = [await join_swarm([])]
+        first = await nodes[0].maddrs()
+        nodes += [await join_swarm(first) for _ in range(3)]
+        silent = nodes[1:3]
+        try:
+            for i, node in enumerate(nodes):
+                assert await node.announce_model(_entry(i))
+            everyone = [(await node.maddrs())[0] for node in nodes]
+            for node in silent:
+                os.kill(node.p2p._child.pid, signal.SIGSTOP)
+            started = time.monotonic()
+            client = await join_swarm(everyone, client_mode=True)
+            try:
+                listed = await client.models()
+                waited = time.monotonic() - started
+                timeout = client.dht.protocol.wait_timeout
+                assert await nodes[3].announce_model(_entry(9))
+                stored = time.monotonic() - started - waited
+                assert sorted(e.key for e in await client.models()) == [f"model-{i}" for i in (0, 1, 2, 3, 9)]
+            finally:
+                await client.shutdown()
+        finally:
+            for node in silent:
+                os.kill(node.p2p._child.pid, signal.SIGCONT)
+            for node in nodes:
+                await node.shutdown()
+        # every entry was replicated to the nodes that answer; the daemon alone, dialling its
+        # bootstrap peers one by one, took 5 s for each silent one, and a read or a store waited
+        # out the DHT's request timeout for them
+        assert [e.key for e in listed] == [f"model-{i}" for i in range(4)]
+        assert waited < timeout and stored < timeout, (waited, stored)
+
+    uvloop.run(main())
+
+
+def test_an_identity_in_use_is_refused_and_free_once_its_peer_stopped(tmp_path):
+    async def main():
+        bootstrap = await join_swarm([])
+        first = await bootstrap.maddrs()
+        key = str(tmp_path / "identity.key")
+        try:
+            running = await join_swarm(first, identity_path=key)
+            with pytest.raises(ConfigError, match="another running peer already uses the identity"):
+                await join_swarm(first, identity_path=key)
+            await running.shutdown()
+            again = await join_swarm(first, identity_path=key)
+            assert again.peer_id == running.peer_id
+            await again.shutdown()
+        finally:
+            await bootstrap.shutdown()
+
+    uvloop.run(main())
