@@ -1,7 +1,8 @@
 """How the swarm heals: stall of a generation when a peer dies, time to full coverage, balance quality.
 
 1. Stall: a greedy generation through a local swarm of the default model; after KILL_AT tokens the
-   peer of one stage gets SIGKILL. The stall is the longest gap between two tokens minus the
+   peer of one stage gets SIGKILL (with `--freeze`: SIGSTOP, to it and its libp2p daemon, as a
+   host suspended or gone without a reset: its connections stay open and nothing answers). The stall is the longest gap between two tokens minus the
    median gap of the same run (the uninterrupted pace is the reference). Each run's tokens are
    compared with transformers' own greedy generation; a run that raises or differs is a failure.
    Two setups:
@@ -15,7 +16,7 @@
    found by trying every assignment of peers to the three stages; after joins, and after rounds
    of the rebalancing cost model.
 
-Usage: python scripts/bench_churn.py [--runs 2] [--tokens 40] [--stall-runs 20] [--setups backup,self-heal]
+Usage: python scripts/bench_churn.py [--runs 2] [--tokens 40] [--stall-runs 20] [--setups backup,self-heal] [--freeze]
 (--runs 0 skips the coverage measurement)
 """
 
@@ -23,10 +24,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import random
+import signal
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import uvloop
@@ -62,7 +66,21 @@ def _launch(swarm: LocalSwarm, setup: str):
     return procs[1]  # 20:30
 
 
-async def _generate(source, maddrs, tokens, victim):
+def _family(proc) -> list[int]:
+    """A peer's process and its children (its libp2p daemon)."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    return [proc.pid, *map(int, children)]
+
+
+def _signal(pids: list[int], number: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, number)
+        except ProcessLookupError:
+            continue
+
+
+async def _generate(source, maddrs, tokens, victim: list[int], freeze: bool):
     client = await join_swarm(maddrs, client_mode=True)
     try:
         model = RemoteCausalLM.build(source, client, verify=0.0)  # the stall of failover alone
@@ -72,7 +90,7 @@ async def _generate(source, maddrs, tokens, victim):
         def on_token(_token):
             stamps.append(time.perf_counter())
             if len(stamps) == KILL_AT:
-                victim.kill()
+                _signal(victim, signal.SIGSTOP if freeze else signal.SIGKILL)
 
         result = await model.generate(ids, tokens, on_token=on_token)
         return stamps, result
@@ -89,15 +107,17 @@ def reference_tokens(source, tokens: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def measure_stall(source, setup: str, tokens: int, expected: list[int]) -> float | None:
+def measure_stall(source, setup: str, tokens: int, expected: list[int], freeze: bool) -> float | None:
     """The run's stall in seconds; None when the generation failed or its tokens differ."""
     with LocalSwarm(model=None) as swarm:
-        victim = _launch(swarm, setup)
+        victim = _family(_launch(swarm, setup))
         try:
-            stamps, result = uvloop.run(_generate(source, swarm.maddrs, tokens, victim))
+            stamps, result = uvloop.run(_generate(source, swarm.maddrs, tokens, victim, freeze))
         except P2PFusionError as exc:
             print(f"  {setup}: FAILED: {exc}", file=sys.stderr)
             return None
+        finally:
+            _signal(victim, signal.SIGKILL)  # a stopped process takes no SIGTERM
     gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]
     stall = max(gaps) - statistics.median(gaps)
     same = result.token_ids == expected
@@ -175,6 +195,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=40)
     parser.add_argument("--skip-swarm", action="store_true", help="only the balance simulation")
     parser.add_argument("--setups", default="backup,self-heal", help="stall setups to run, comma-separated")
+    parser.add_argument("--freeze", action="store_true", help="SIGSTOP the peer instead of SIGKILL")
     args = parser.parse_args()
     print(machine_header(), flush=True)
 
@@ -190,9 +211,10 @@ def main() -> None:
     source = resolve_model(None)
     expected = reference_tokens(source, args.tokens)
     for setup in [name for name in args.setups.split(",") if name in ("backup", "self-heal")]:
-        runs = [measure_stall(source, setup, args.tokens, expected) for _ in range(args.stall_runs)]
+        runs = [measure_stall(source, setup, args.tokens, expected, args.freeze) for _ in range(args.stall_runs)]
         stalls = sorted(s for s in runs if s is not None)
         name = "a warm backup" if setup == "backup" else "no backup (a peer moves)"
+        name += ", the peer frozen (SIGSTOP)" if args.freeze else ""
         summary = f"p50 {statistics.median(stalls):.2f} s, max {stalls[-1]:.2f} s" if stalls else "no run completed"
         print(f"stall with {name}: {len(stalls)} of {len(runs)} generations complete and token-identical; {summary}")
     coverage = [measure_coverage(source, 30) for _ in range(args.runs)]

@@ -2,7 +2,11 @@
 over, newcomers fill gaps, and the generated tokens stay exactly those of transformers."""
 
 import asyncio
+import contextlib
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +14,7 @@ import uvloop
 
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.client.route.failover import MIN_STEP_TIMEOUT
 from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.upkeep import Upkeep
@@ -69,7 +74,15 @@ def llama(tiny_models, tmp_path_factory):
     return with_chat_tokenizer(tiny_models["llama"], tmp_path_factory.mktemp("churn") / "llama")
 
 
-def _kill_middle_during_generation(source, with_backup: bool):
+def _family(proc) -> list[int]:
+    """A peer's process and its children (its libp2p daemon)."""
+    return [proc.pid, *map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())]
+
+
+def _kill_middle_during_generation(source, with_backup: bool, freeze: bool = False):
+    """Kill (or, `freeze`, SIGSTOP with its daemon: a host suspended, its connections open) the
+    middle stage's peer KILL_AT tokens in; returns the prompt, the result, the peers' states, the
+    replacement's state, and the longest gap between two tokens."""
     ids = list(range(3, 19))
     with LocalSwarm(model=str(source.folder)) as swarm:
         first = swarm.launch((0, 1), FIXED)
@@ -78,18 +91,25 @@ def _kill_middle_during_generation(source, with_backup: bool):
         extra = [swarm.launch(MIDDLE, [*FIXED, "--backup"])] if with_backup else []
         for proc in (middle, last, *extra):
             swarm.wait_ready(proc)
-        joined = []
+        joined, stamps, family = [], [], _family(middle)
 
         def on_token(_token):
+            stamps.append(time.monotonic())
             if len(joined) == 0 and on_token.count == KILL_AT:
-                middle.kill()  # SIGKILL: no goodbye, no offline record
+                for pid in family if freeze else [middle.pid]:
+                    os.kill(pid, signal.SIGSTOP if freeze else signal.SIGKILL)  # no goodbye, no offline record
                 if not with_backup:
                     # a volunteer arrives without --layers; it must find the gap by itself
                     joined.append(swarm.launch(None, [*FIXED, "--max-layers", "2"]))
             on_token.count += 1
 
         on_token.count = 0
-        result = uvloop.run(_generate(source, swarm.maddrs, ids, on_token))
+        try:
+            result = uvloop.run(_generate(source, swarm.maddrs, ids, on_token))
+        finally:
+            for pid in family:
+                with contextlib.suppress(ProcessLookupError):  # a killed peer's daemon is gone already
+                    os.kill(pid, signal.SIGKILL)  # a stopped process takes no SIGTERM
         # the peer that took over: the backup, or the newcomer; it announces itself within seconds,
         # which may be after the generation ended
         replacement = _peer_id(swarm.wait_ready((extra or joined)[0]))
@@ -98,18 +118,28 @@ def _kill_middle_during_generation(source, with_backup: bool):
             if states.get(replacement, (0, 0, ""))[2] == "online":
                 break
             time.sleep(1.0)
-    return ids, result, states, states[replacement]
+    return ids, result, states, states[replacement], max(b - a for a, b in zip(stamps, stamps[1:]))
 
 
 def test_kill_middle_peer_with_backup_gives_identical_tokens(llama):
-    ids, result, _, replacement = _kill_middle_during_generation(llama, with_backup=True)
+    ids, result, _, replacement, _ = _kill_middle_during_generation(llama, with_backup=True)
     assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
     assert result.recoveries >= 1
     assert replacement == (*MIDDLE, "online")  # the backup promoted itself
 
 
+def test_a_frozen_middle_peer_is_found_by_a_ping_not_waited_out(llama):
+    """Its connections stay open and nothing answers: the client pings the route's hops once a
+    step runs long, blames the one that is silent, and moves to the backup well before the step's
+    timeout (which, naming no peer, used to send the next route through the frozen peer again)."""
+    ids, result, _, replacement, gap = _kill_middle_during_generation(llama, with_backup=True, freeze=True)
+    assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
+    assert result.recoveries >= 1 and replacement == (*MIDDLE, "online")
+    assert gap < MIN_STEP_TIMEOUT, gap
+
+
 def test_kill_middle_peer_without_backup_newcomer_fills_the_gap(llama):
-    ids, result, states, replacement = _kill_middle_during_generation(llama, with_backup=False)
+    ids, result, states, replacement, _ = _kill_middle_during_generation(llama, with_backup=False)
     assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
     assert replacement == (*MIDDLE, "online")  # the newcomer took exactly the killed peer's layers
     assert (0, 1, "online") in states.values()

@@ -8,6 +8,7 @@ from p2pfusion.client.route.health import BAN_MAX, HINT_MAX, PeerHealth
 from p2pfusion.client.generate.local_layers import local_boundary
 from p2pfusion.client.route.planner import find_route, gaps_closing, longest_session, missing_layers
 from p2pfusion.client.route.pieces import MIN_CHUNK_TOKENS, chunk_sizes
+from p2pfusion.client.route.watch import MIN_SUSPECT, SUSPECT_FACTOR, frozen_hop, suspect_after
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import RequestError, RouteError
 from tests.policy_records import rec
@@ -162,3 +163,14 @@ def test_a_peer_that_comes_back_is_forgiven_its_ban():
     assert health.banned([rec(0, 4, name="p", since=10.0)], now=1.0) == {"p"}  # the same process
     assert health.banned([rec(0, 4, PeerState.JOINING, name="p", since=20.0)], now=1.0) == {"p"}  # still loading
     assert health.banned([rec(0, 4, name="p", since=20.0)], now=1.0) == set()  # restarted, serving again
+
+
+def test_a_long_step_is_looked_into_after_many_usual_steps_and_a_silent_hop_is_blamed_only_beside_answering_ones():
+    assert suspect_after(None) == MIN_SUSPECT and suspect_after(0.01) == MIN_SUSPECT
+    assert suspect_after(0.5) == 0.5 * SUSPECT_FACTOR
+    route = [rec(0, 10, name="a"), rec(10, 20, name="b"), rec(20, 30, name="c")]
+    assert frozen_hop(route, set()) is None
+    assert frozen_hop(route, {"b"}) == "b"
+    assert frozen_hop(route, {"c", "b"}) == "b"  # the first silent hop of the route
+    assert frozen_hop(route, {"a", "b", "c"}) is None  # nobody answers: this client's own network
+    assert frozen_hop(route, {"z"}) is None  # a silent peer off the route is not this route's fault

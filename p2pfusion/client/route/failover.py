@@ -30,6 +30,7 @@ from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.pings import SCREEN_CONCURRENCY
 from p2pfusion.client.route.planner import expected_throughput, find_route, gaps_closing, pinned, usable
 from p2pfusion.client.route.session import RouteSession
+from p2pfusion.client.route.watch import watched
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
 from p2pfusion.net.compression import Purpose
@@ -95,10 +96,12 @@ class ResilientSession:
                     records = pinned(records, self.through)
                     avoid.discard(self.through)
                 route = await self._route(records, avoid, recovering)
-                self.session = await RouteSession(
+                opening = RouteSession(
                     access.swarm.transport, route, self.length, access.compression, access.links, self.purpose,
                     self.batch,
                 ).open()
+                # a hop frozen since its last ping would hold the opening for ACK_TIMEOUT, blamed on the first hop
+                self.session = await watched(opening, route, access.reach, access.swarm.transport, self._step_seconds)
                 access.opened(route)
                 self._routed_around()
                 await self.update_params(self.params)
@@ -235,7 +238,8 @@ class ResilientSession:
             replay = self.session.position == 0 and self.history
             inputs, ids = (hidden, positions) if not replay else self._replayed(hidden, positions)
             try:
-                out = await self.session.step(inputs, self._timeout(inputs.shape[1]), mask, ids)
+                step = self.session.step(inputs, self._timeout(inputs.shape[1]), mask, ids)
+                out = await watched(step, self.session.route, self.access.reach, self.access.swarm.transport, self._step_seconds)
             except PeerFailed as exc:
                 self.failed(exc)
                 self.recoveries += not isinstance(exc, SessionExpired)

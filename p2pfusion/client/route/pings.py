@@ -79,13 +79,13 @@ class ReachBook:
         now = time.monotonic() if now is None else now
         return now - self.answered.get(peer_id, -ANSWER_TTL) < ANSWER_TTL
 
-    async def screen(self, transport: Transport, records: list[PeerRecord]) -> set[str]:
+    async def screen(self, transport: Transport, records: list[PeerRecord], timeout: float = PING_TIMEOUT) -> set[str]:
         """Ping these peers, SCREEN_CONCURRENCY at a time; returns those that did not say they serve."""
         gate = asyncio.Semaphore(SCREEN_CONCURRENCY)
 
         async def one(record: PeerRecord) -> tuple[str, Answer, float]:
             async with gate:
-                return record.peer_id, *await ping(transport, record.peer_id, record.data_addrs)
+                return record.peer_id, *await ping(transport, record.peer_id, record.data_addrs, timeout)
 
         silent = set()
         for peer_id, answer, seconds in await asyncio.gather(*(one(r) for r in records)):
