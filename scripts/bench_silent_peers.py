@@ -37,6 +37,8 @@ from p2pfusion.dht.records import MODELS_KEY, ModelEntry
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.dht.validation import SwarmValidator
 
+HIVEMIND_TIMEOUT = 3.0  # DHTNode's default wait_timeout
+
 
 async def ours(maddrs: list[str]) -> tuple[float, float, int]:
     started = time.perf_counter()
@@ -69,19 +71,23 @@ async def reference(maddrs: list[str]) -> tuple[float, float, int | None]:
 
 
 class Hivemind:
-    """A node of ours whose DHT requests are hivemind's own again, while inside this."""
+    """A node of ours whose DHT requests are hivemind's own again, with its default timeout, while
+    inside this."""
 
     def __init__(self, node: SwarmNode):
         self.protocol = node.dht.protocol
-        self.wrapped = {name: getattr(self.protocol, name) for name in ("call_find", "call_store", "call_ping")}
+        self.wrapped = {name: getattr(self.protocol, name) for name in ("call_find", "call_store")}
+        self.timeout = self.protocol.wait_timeout
 
     def __enter__(self) -> None:
         for name in self.wrapped:
             delattr(self.protocol, name)  # the class's own methods show through again
+        self.protocol.wait_timeout = HIVEMIND_TIMEOUT
 
     def __exit__(self, *exc) -> None:
         for name, call in self.wrapped.items():
             setattr(self.protocol, name, call)
+        self.protocol.wait_timeout = self.timeout
 
 
 async def timed(work) -> float:

@@ -7,15 +7,15 @@ gone without a reset, its connection still open) then costs 3 s to every travers
 and every client that joins beside it pays that at least once (docs/benchmarks.md, "Silent peers").
 
 `Patience` wraps the protocol's `call_find`, through which all of them ask, its `call_store`, on
-which a store waits for every replica it sends to, and its `call_ping` (a read that found nothing
-pings the peers its node lost, `SwarmNode.heal`). A request is given up, as a failed one, once it
-has waited `grace()` (a few times the slower answers this node got lately, never under MIN_GRACE)
-and another node has answered: in the same read (`reading()`), or, for hivemind's own traversals
-and stores, since the request was sent. A store then sends to the next nearest node instead.
-Nothing is given up while no node answers, so a slow network, or a busy machine where every answer
-is late, waits as before. A request given up goes on: an answer that comes later still counts
-towards `grace()` and lifts the node's blacklisting (hivemind blacklists a node whose request
-failed, for seconds).
+which a store waits for every replica it sends to, and the pings of `SwarmNode.heal` (a read that
+found nothing pings the peers its node lost). A request is given up, as a failed one, once it has
+waited `grace()` (a few times the slower answers that node gave lately, or, where it gave none,
+all nodes; never under MIN_GRACE) and another node has answered: in the same read (`reading()`),
+or, for hivemind's own traversals and stores, since the request was sent. A store then sends to
+the next nearest node instead. Nothing is given up while no node answers, so a slow network, or a
+busy machine where every answer is late, waits as before. A request given up goes on: an answer
+that comes later still counts towards `grace()` and lifts the node's blacklisting (hivemind
+blacklists a node whose request failed, for seconds).
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ from hivemind.p2p import PeerID
 MIN_GRACE = 0.5  # seconds: a first dial's handshake across a continent takes a few round trips
 GRACE_FACTOR = 4.0  # times the slower answers of late
 RECENT = 32  # answers remembered
+PEER_RECENT = 8  # answers remembered of each peer
+MAX_PEERS = 1024  # peers whose answers are remembered
 QUANTILE = 0.9
 
 
@@ -64,12 +66,18 @@ class Patience:
         self._blacklist = blacklist
         self._answered = 0  # answers so far
         self._recent: deque[float] = deque(maxlen=RECENT)  # seconds each took
+        self._by_peer: dict[PeerID, deque[float]] = {}  # the same, per peer, for the last MAX_PEERS peers
         self._answer = asyncio.Event()  # set, then replaced, at every answer
 
-    def grace(self) -> float:
-        if not self._recent:
+    def grace(self, peer: PeerID | None = None) -> float:
+        """How long a request to `peer` waits, once others answered: its own answers' pace where
+        it answered lately (the nodes holding a key many read are the busiest, and the slowest to
+        answer: judged by the others' pace, they would be given up on, with the newest values),
+        else all nodes'."""
+        recent = self._by_peer.get(peer) or self._recent
+        if not recent:
             return MIN_GRACE
-        ordered = sorted(self._recent)
+        ordered = sorted(recent)
         return max(MIN_GRACE, GRACE_FACTOR * ordered[int(QUANTILE * (len(ordered) - 1))])
 
     def wrap(self, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -88,7 +96,7 @@ class Patience:
         call.add_done_callback(lambda done: self._settled(done, peer, loop.time() - sent, read))
         while not call.done():
             others = read.answered > 0 if read is not None else self._answered > answered
-            left = sent + self.grace() - loop.time() if others else None
+            left = sent + self.grace(peer) - loop.time() if others else None
             if left is not None and left <= 0:
                 return None  # hivemind's own answer for a node that failed
             answer = asyncio.ensure_future(self._answer.wait())
@@ -102,6 +110,11 @@ class Patience:
         if call.cancelled() or call.exception() is not None or call.result() is None:
             return  # hivemind's calls answer None for every failure of their own
         self._recent.append(seconds)
+        own = self._by_peer.pop(peer, None) or deque(maxlen=PEER_RECENT)
+        own.append(seconds)
+        self._by_peer[peer] = own  # the latest last
+        if len(self._by_peer) > MAX_PEERS:
+            del self._by_peer[next(iter(self._by_peer))]
         self._answered += 1
         if read is not None:
             read.answered += 1

@@ -52,6 +52,11 @@ HEAL_DIAL_WAIT = 1.0  # seconds a heal waits for its dials to initial peers
 # goes on after it. hivemind's default is its whole request timeout (3 s), spent in full whenever
 # one neighbour is silent
 BOOTSTRAP_WAIT = 0.25
+# seconds a DHT request waits for its answer at most. Our traversals give up on a silent node as
+# soon as others answer (dht/patience.py), so this bounds a request that nobody else answers either:
+# a joiner's ping of its initial peer, which on a busy machine (59 nodes joining one peer at once)
+# took over hivemind's default of 3 s
+REQUEST_TIMEOUT = 6.0
 REMEMBERED = 600.0  # seconds a peer seen in a lookup stays a candidate for healing
 MAX_REMEMBERED = 1024
 
@@ -61,6 +66,7 @@ class SwarmNode:
     transport: Transport
     dht: DHTNode
     validator: SwarmValidator
+    patience: Patience  # the DHT's answer times, shared by its requests that give up on silent nodes
     seen: dict[str, float] = field(default_factory=dict)  # peer id -> when a lookup last listed it
     found: dict[str, float] = field(default_factory=dict)  # model key -> when a lookup last found its records
 
@@ -214,7 +220,8 @@ class SwarmNode:
             return 0
         # the daemon may have forgotten an initial peer's address, which it knew from the dial only
         await self.transport.redial([p.to_base58() for p in missing], HEAL_DIAL_WAIT)
-        answers = await asyncio.gather(*(self.dht.protocol.call_ping(p) for p in missing))
+        ping = self.patience.wrap(self.dht.protocol.call_ping)
+        answers = await asyncio.gather(*(ping(p) for p in missing))
         back = [p for p, node_id in zip(missing, answers) if node_id is not None]
         for peer in back:
             self.dht.blacklist.register_success(peer)
@@ -294,6 +301,7 @@ async def join_swarm(
             dht = await DHTNode.create(
                 p2p=transport.p2p, initial_peers=transport.reached, record_validator=validator,
                 client_mode=client_mode, authorizer=authorizer, bootstrap_timeout=BOOTSTRAP_WAIT,
+                wait_timeout=REQUEST_TIMEOUT,
             )
         except (*LIBP2P_ERRORS, RuntimeError) as exc:  # RuntimeError: hivemind's "bootstrap failed"
             if "none of the initial_peers responded" in str(exc):
@@ -302,7 +310,9 @@ async def join_swarm(
         dht.protocol.storage = _capped(dht.protocol.storage)
         dht.protocol.cache = _capped(dht.protocol.cache)
         patience = Patience(dht.blacklist)
-        for name in ("call_find", "call_store", "call_ping"):
+        # not call_ping: a node answering a joiner's ping pings it back through it, and a joiner told
+        # it was not reached back (on a busy machine, by a ping given up) refuses to join
+        for name in ("call_find", "call_store"):
             setattr(dht.protocol, name, patience.wrap(getattr(dht.protocol, name)))
     except BaseException:
         await transport.shutdown()
@@ -311,7 +321,7 @@ async def join_swarm(
         await dht.shutdown()
         await transport.shutdown()
         raise _unanswered(initial_peers, secret)
-    return SwarmNode(transport=transport, dht=dht, validator=validator)
+    return SwarmNode(transport=transport, dht=dht, validator=validator, patience=patience)
 
 
 def _unanswered(initial_peers: list[str], secret: SwarmSecret | None) -> RouteError:
