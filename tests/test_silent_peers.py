@@ -37,7 +37,6 @@ def test_silent_initial_peers_cost_a_join_a_read_and_a_store_no_timeout():
             try:
                 listed = await client.models()
                 waited = time.monotonic() - started
-                timeout = HIVEMIND_TIMEOUT
                 assert await nodes[3].announce_model(_entry(9))
                 stored = time.monotonic() - started - waited
                 assert sorted(e.key for e in await client.models()) == [f"model-{i}" for i in (0, 1, 2, 3, 9)]
@@ -52,7 +51,7 @@ def test_silent_initial_peers_cost_a_join_a_read_and_a_store_no_timeout():
         # bootstrap peers one by one, took 5 s for each silent one, and a read or a store waited
         # out the DHT's request timeout for them
         assert [e.key for e in listed] == [f"model-{i}" for i in range(4)]
-        assert waited < timeout and stored < timeout, (waited, stored)
+        assert waited < HIVEMIND_TIMEOUT and stored < HIVEMIND_TIMEOUT, (waited, stored)
 
     uvloop.run(main())
 

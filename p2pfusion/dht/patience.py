@@ -69,7 +69,7 @@ class Patience:
         self._by_peer: dict[PeerID, deque[float]] = {}  # the same, per peer, for the last MAX_PEERS peers
         self._answer = asyncio.Event()  # set, then replaced, at every answer
 
-    def grace(self, peer: PeerID | None = None) -> float:
+    def grace(self, peer: PeerID) -> float:
         """How long a request to `peer` waits, once others answered: its own answers' pace where
         it answered lately (the nodes holding a key many read are the busiest, and the slowest to
         answer: judged by the others' pace, they would be given up on, with the newest values),
