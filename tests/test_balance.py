@@ -10,7 +10,7 @@ from p2pfusion.dht.flow import swarm_flow
 from p2pfusion.dht.records import PeerState
 from p2pfusion.peer.backup import lost_servers, promotion_rank, replaced
 from p2pfusion.peer.balance import (
-    Capacity, Placement, backup_stage, bottleneck, choose_model, choose_range, layer_replicas, layer_throughputs, place_peer,
+    Capacity, Placement, backup_stage, bottleneck, choose_model, closing_rank, choose_range, layer_replicas, layer_throughputs, place_peer,
     reclaim, unguarded_gap, with_peer, yields_to,
 )
 from p2pfusion.peer.rebalance import plan_move
@@ -239,6 +239,28 @@ def test_a_gap_with_a_warm_backup_is_left_to_the_backup():
     gap = [rec(10, 20, name="b"), rec(20, 30, name="c")]
     assert unguarded_gap(gap, 30)
     assert not unguarded_gap([*gap, rec(0, 10, PeerState.BACKUP, name="spare")], 30)
+
+
+def test_the_peers_that_may_close_a_gap_rank_alike_and_only_those_that_may_leave_count():
+    # 20:30 lost its only peer; a and b serve 0:20, c 0:10: each may leave, the fastest goes first
+    swarm = [rec(0, 20, throughput=1.0, name="a"), rec(0, 20, throughput=2.0, name="b"), rec(0, 10, throughput=5.0, name="c")]
+    assert [closing_rank(swarm, 30, r) for r in swarm] == [2, 1, 0]
+    # a peer whose layers nobody else serves is not waited for
+    lone = [rec(0, 20, throughput=9.0, name="lone"), rec(20, 25, throughput=1.0, name="a"), rec(20, 25, throughput=2.0, name="b")]
+    assert closing_rank(lone, 30, lone[2]) == 0 and closing_rank(lone, 30, lone[1]) == 1
+    # a peer already moving, or a backup, is not a candidate either
+    moving = [rec(0, 20, throughput=9.0, name="m", moving_to=(20, 30)), *swarm[:2]]
+    assert closing_rank(moving, 30, moving[2]) == 0
+
+
+@given(spans)
+def test_closing_ranks_are_a_permutation_of_the_candidates(raw):
+    records = records_of(raw)
+    ranks = sorted(closing_rank(records, L, r) for r in records)
+    candidates = [r for r in records if all(layer_replicas(records, L, (PeerState.ONLINE,))[i] >= 2 for i in range(r.start, r.end))]
+    # each candidate has its own place among the candidates; a non-candidate ranks among them as if it were one
+    assert sorted(closing_rank(records, L, r) for r in candidates) == list(range(len(candidates)))
+    assert all(0 <= rank <= len(candidates) for rank in ranks)
 
 
 def test_a_peer_offered_several_models_serves_the_one_the_swarm_needs_most():

@@ -1,5 +1,7 @@
 """Pure policies, without a network: routing, client health, DHT record parsing."""
 
+import asyncio
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -10,6 +12,7 @@ from p2pfusion.client.route.planner import find_route, gaps_closing, longest_ses
 from p2pfusion.client.route.pieces import MIN_CHUNK_TOKENS, chunk_sizes
 from p2pfusion.client.route.watch import MIN_SUSPECT, SUSPECT_FACTOR, frozen_hop, suspect_after
 from p2pfusion.dht.records import PeerRecord, PeerState
+from p2pfusion.net.silence import MIN_GRACE, ask_all, given_up, grace
 from p2pfusion.errors import RequestError, RouteError
 from tests.policy_records import rec
 
@@ -174,3 +177,37 @@ def test_a_long_step_is_looked_into_after_many_usual_steps_and_a_silent_hop_is_b
     assert frozen_hop(route, {"c", "b"}) == "b"  # the first silent hop of the route
     assert frozen_hop(route, {"a", "b", "c"}) is None  # nobody answers: this client's own network
     assert frozen_hop(route, {"z"}) is None  # a silent peer off the route is not this route's fault
+    assert frozen_hop(route[:1], {"a"}) is None
+    assert frozen_hop(route[:1], {"a"}, reference_answered=True) == "a"  # a one-hop route, a peer beside it answered
+
+
+def test_a_silent_peer_is_given_up_after_its_grace_once_another_answered():
+    assert grace(None, 3.0) == 3.0  # never heard from: its timeout
+    assert grace(0.001, 3.0) == MIN_GRACE and grace(0.2, 3.0) == 2.0 and grace(1.0, 3.0) == 3.0
+    assert not given_up(1.5, 0.001, 3.0, another_answered=False)  # nobody answered: maybe our own network
+    assert given_up(1.5, 0.001, 3.0, another_answered=True)
+    assert not given_up(1.5, 0.2, 3.0, another_answered=True)  # a far peer: ten of its round trips
+    assert given_up(3.0, None, 3.0, another_answered=False)
+
+    async def answer(value, seconds):
+        await asyncio.sleep(seconds)
+        return value
+
+    async def asked(calls, rtts, timeout, like_first=False):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        results = await ask_all({k: answer(v, s) for k, (v, s) in calls.items()}, rtts, timeout, bool, like_first)
+        return results, loop.time() - t0
+
+    # "frozen" answered quickly before, "live" answers now: "frozen" is given up after MIN_GRACE
+    results, seconds = asyncio.run(asked({"live": (True, 0.01), "frozen": (True, 60)}, {"frozen": 0.001}, 3.0))
+    assert results == {"live": True, "frozen": None} and MIN_GRACE <= seconds < 2.0
+    # the same with no answer from anyone (False is no answer): the full timeout
+    results, seconds = asyncio.run(asked({"live": (False, 0.01), "frozen": (True, 60)}, {"frozen": 0.001}, 1.5))
+    assert results == {"live": False, "frozen": None} and seconds >= 1.5
+    # a peer never heard from before is waited for its full timeout
+    results, seconds = asyncio.run(asked({"live": (True, 0.01), "new": (True, 1.5)}, {}, 3.0))
+    assert results == {"live": True, "new": True} and seconds >= 1.5
+    # ...unless told to judge it by the first answer's time
+    results, seconds = asyncio.run(asked({"live": (True, 0.01), "new": (True, 60)}, {}, 3.0, True))
+    assert results == {"live": True, "new": None} and MIN_GRACE <= seconds < 2.0

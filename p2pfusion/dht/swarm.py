@@ -221,7 +221,11 @@ class SwarmNode:
         # the daemon may have forgotten an initial peer's address, which it knew from the dial only
         await self.transport.redial([p.to_base58() for p in missing], HEAL_DIAL_WAIT)
         ping = self.patience.wrap(self.dht.protocol.call_ping)
-        answers = await asyncio.gather(*(ping(p) for p in missing))
+        # a peer still in the table is pinged beside them: a silent one is then given up once it
+        # answers (patience.py), where it alone would wait out REQUEST_TIMEOUT
+        beside = [p for p in table.uid_to_peer_id.values() if p not in missing and p not in self.dht.blacklist][:1]
+        with reading():
+            answers = await asyncio.gather(*(ping(p) for p in [*missing, *beside]))
         back = [p for p, node_id in zip(missing, answers) if node_id is not None]
         for peer in back:
             self.dht.blacklist.register_success(peer)

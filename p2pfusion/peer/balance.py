@@ -241,6 +241,18 @@ def unguarded_gap(records: list[PeerRecord], num_layers: int) -> bool:
     return any(t <= 0 and not g for t, g in zip(served, guarded))
 
 
+def closing_rank(records: list[PeerRecord], num_layers: int, me: PeerRecord) -> int:
+    """My place among the online peers that may close a gap in coverage: those not moving whose
+    every layer another peer serves too (the others cannot leave without opening another gap),
+    fastest first, then by peer id. Every peer ranks them alike, so rank 0 moves at once and each
+    later one waits its turn (GAP_STAGGER) and moves only if the gap is still open then."""
+    online = [r for r in records if r.state == PeerState.ONLINE and r.moving_to is None]
+    replicas = layer_replicas(online, num_layers, (PeerState.ONLINE,))
+    candidates = [r for r in online if r.peer_id != me.peer_id and all(replicas[i] >= 2 for i in range(r.start, min(r.end, num_layers)))]
+    ordered = sorted([*candidates, me], key=lambda r: (-r.compute_rate, r.peer_id))
+    return [r.peer_id for r in ordered].index(me.peer_id)
+
+
 def choose_model(models: dict[str, tuple[list[PeerRecord], int]]) -> str:
     """Of the models a peer may serve (key -> the model's records and its layer count), the one
     that needs it most: the largest share of layers nobody serves, then the busiest (demand over

@@ -37,6 +37,7 @@ from p2pfusion.peer.memory import (
     KV_RESERVE_TOKENS, default_budget, default_cache_memory, dequantized_temporaries, layers_that_fit, resident_bytes,
 )
 from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
+from p2pfusion.peer.reports import ReportCheck
 from p2pfusion.peer.server import StageServer
 from p2pfusion.peer.run_service import ReplicaService, join_run
 
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 LINK_PROBES = 12  # peers whose links a joining peer measures
 SETTLE_DELAY = (0.5, 1.5)  # seconds before a joining peer re-checks its claim: a DHT write is seen by then
 SETTLE_ROUNDS = 3
-VERIFY_TTL = 10.0  # seconds our check of a peer that clients reported unreachable is trusted
 TRAINING_COPIES = 6  # float32 copies of its layers a training replica holds
 
 
@@ -104,26 +104,17 @@ class Peer:
         self.links = LinkBook(swarm.transport)
         self.directory = HopDirectory(lambda: swarm.lookup(self.model, options.train))  # where next hops may be dialled
         swarm.transport.listed = self.directory.listed  # listed peers' streams relay many clients' sessions
-        self._checked: dict[str, tuple[float, bool]] = {}
+        self.reports = ReportCheck(swarm.transport, swarm.peer_id, self.links.round_trips)
         self.metrics = StageMetrics(self.model)
         self.exporter: Exporter | None = None
         self.training: ReplicaService | None = None  # a training replica's protocol (--train)
 
     async def live_records(self) -> tuple[list[PeerRecord], set[str]]:
         """The model's records, less the peers that clients reported unreachable and that fail our
-        own check too (a report alone proves nothing: anyone may write one). Also returns those."""
+        own check too (peer/reports.py). Also returns those."""
         records = await self.swarm.lookup(self.model, self.options.train)
-        reports = await self.swarm.unreachable_reports(self.model)
-        listed = {r.peer_id for r in records if r.state != PeerState.OFFLINE} - {self.swarm.peer_id}
-        gone, now = set(), time.monotonic()
-        addrs = {r.peer_id: r.data_addrs for r in records}
-        for peer_id in {report.peer_id for report in reports} & listed:
-            checked = self._checked.get(peer_id)
-            if checked is None or now - checked[0] > VERIFY_TTL:
-                checked = (now, await probe.reachable(self.swarm.transport, peer_id, addrs[peer_id]))
-                self._checked[peer_id] = checked
-            if not checked[1]:
-                gone.add(peer_id)
+        reported = {report.peer_id for report in await self.swarm.unreachable_reports(self.model)}
+        gone = await self.reports.gone(records, reported) if reported else set()
         return [r for r in records if r.peer_id not in gone], gone
 
     def _benchmark(self) -> ComputeBenchmark:
@@ -385,12 +376,18 @@ class Peer:
         old = (self.record.start, self.record.end)
         overlap = overlap or state == PeerState.BACKUP
         log.info("moving from layers %d:%d to %d:%d (%s)", *old, start, end, "overlapped" if overlap else "with a gap")
-        if overlap:
-            await self.announce(moving_to=(start, end))
-        else:
-            await self.announce(start=start, end=end, state=PeerState.JOINING, moving_to=None)
-            await self.server.drain(self.options.drain_timeout)
-        stage = await self.load(start, end)
+        # the record changes at once; its DHT write, which may wait on a silent node, goes on
+        # while sessions drain and the layers load
+        told = asyncio.ensure_future(
+            self.announce(moving_to=(start, end)) if overlap
+            else self.announce(start=start, end=end, state=PeerState.JOINING, moving_to=None)
+        )
+        try:
+            if not overlap:
+                await self.server.drain(self.options.drain_timeout)
+            stage = await self.load(start, end)
+        finally:
+            await told
         self.server.stage = stage  # sessions opened on the old layers finish there
         self.server.draining = False
         await self.announce(start=start, end=end, state=state, moving_to=None)

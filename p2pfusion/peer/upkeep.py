@@ -15,7 +15,8 @@
 - Rebalance (every couple of minutes, with random jitter so peers do not all move at once): move
   when the cost model says the swarm gains more than the reload costs; a backup keeps another
   stage warm when that stage has far fewer replicas than its own (balance.backup_stage).
-Each move is re-checked against fresh records after a random delay: another peer may have acted.
+Each move is re-checked against fresh records after a random delay, since another peer may have
+acted; a move to close a gap waits its turn among the peers that may close it instead.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from p2pfusion.peer.backup import (
     replaced,
     stage_servers,
 )
-from p2pfusion.peer.balance import backup_stage, layer_throughputs, place_peer, unguarded_gap
+from p2pfusion.peer.balance import backup_stage, closing_rank, layer_throughputs, place_peer, unguarded_gap
 from p2pfusion.peer.limits import token_bytes
 from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.peer.runtime import Peer
@@ -43,7 +44,8 @@ from p2pfusion.peer.threads import shares_host
 log = logging.getLogger(__name__)
 
 LOAD_EMA = 0.5
-GAP_JITTER = 3.0  # seconds; spreads the peers that would close the same gap
+MOVE_JITTER = 3.0  # seconds; spreads the peers that would make the same move
+GAP_STAGGER = 3.0  # seconds between the peers that may close a gap (balance.closing_rank): a DHT write is seen by then
 HEAL_PERIOD = 15.0
 LOAD_PERIOD = 1.0
 EARLY_GAP = 2.0  # seconds between announcements made early for a change of load
@@ -170,7 +172,20 @@ class Upkeep:
         if mine.state == PeerState.BACKUP:
             await self._watch_stage(records, gone)
         elif mine.state == PeerState.ONLINE and unguarded_gap(records, self.peer.num_layers):
-            await self._maybe_move(min_gain=0.0)
+            await self._close_gap(records)
+
+    async def _close_gap(self, records: list[PeerRecord]) -> None:
+        """Move to layers nobody serves (nor guards), if the cost model says so: the first of the
+        peers that may (balance.closing_rank) at once, each later one after its turn if the gap is
+        still open then."""
+        rank = closing_rank(records, self.peer.num_layers, self.peer.record)
+        if rank > 0:
+            log.info("layers nobody serves: closing rank %d", rank)
+            await asyncio.sleep(rank * GAP_STAGGER)
+            records, _ = await self._snapshot()
+            if not unguarded_gap(records, self.peer.num_layers):
+                return
+        await self._maybe_move(min_gain=0.0, looks=1)
 
     async def _watch_stage(self, records: list[PeerRecord], gone: set[str]) -> None:
         if self._stage_change.locked():
@@ -200,7 +215,7 @@ class Upkeep:
         mine = self.peer.record
         if mine.state == PeerState.BACKUP:
             records, _ = await self._snapshot()
-            # on a worker thread, as in _decided_twice
+            # on a worker thread, as in _decided
             placement = await asyncio.to_thread(
                 place_peer, records, self.peer.num_layers, self.peer.capacity, mine.peer_id,
                 near=self.peer.links.round_trips(),
@@ -218,7 +233,7 @@ class Upkeep:
         if self.peer.options.layers is not None:
             return  # the user chose this stage
         peer = self.peer
-        target = await self._decided_twice(lambda records: backup_stage(records, peer.num_layers, peer.record, peer.capacity.max_layers))
+        target = await self._decided(lambda records: backup_stage(records, peer.num_layers, peer.record, peer.capacity.max_layers))
         if target is None or self._stage_change.locked() or peer.record.state != PeerState.BACKUP:
             return  # nowhere to go, or it is promoting itself meanwhile
         async with self._stage_change:
@@ -226,30 +241,30 @@ class Upkeep:
             await peer.move(*target, overlap=True, state=PeerState.BACKUP)
             self._stage_before = None  # the servers watched were those of the old stage
 
-    async def _maybe_move(self, min_gain: float) -> None:
-        """Move if the cost model says so."""
+    async def _maybe_move(self, min_gain: float, looks: int = 2) -> None:
+        """Move if the cost model says so (`looks`: see `_decided`)."""
         if self.peer.options.layers is not None or self.peer.options.train is not None:
             return  # the user chose these layers, or this replica's weights are trained where they are
         peer = self.peer
-        move = await self._decided_twice(lambda records: plan_move(
+        move = await self._decided(lambda records: plan_move(
             records, peer.num_layers, peer.record, peer.capacity, peer.reload_seconds_per_layer,
             time.monotonic() - peer.started, min_gain, peer.links.round_trips(),
-        ))
+        ), looks)
         if move is None:
             return
         log.info("rebalancing: gain %.2f, benefit %.0f tokens, cost %.0f tokens", move.gain, move.benefit, move.cost)
         await peer.move(move.start, move.end, move.overlap)
 
-    async def _decided_twice(self, decide):
-        """What `decide` (a pure policy of fresh records) says now and again after a jittered pause,
-        or None if either time it says None: another peer may have acted meanwhile. On a worker
+    async def _decided(self, decide, looks: int = 2):
+        """What `decide` (a pure policy of fresh records) says, or None: with two looks, it must say
+        so now and again after a jittered pause (another peer may have acted meanwhile). On a worker
         thread: in a large swarm the flow bounds take tens of ms, which the loop relaying sessions'
         frames should not wait for."""
-        for attempt in range(2):
+        for attempt in range(looks):
             records, _ = await self._snapshot()
             choice = await asyncio.to_thread(decide, records)
             if choice is None:
                 return None
-            if attempt == 0:
-                await asyncio.sleep(random.uniform(0, GAP_JITTER))
+            if attempt < looks - 1:
+                await asyncio.sleep(random.uniform(0, MOVE_JITTER))
         return choice

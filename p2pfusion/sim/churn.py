@@ -28,10 +28,10 @@ from p2pfusion.dht.flow import max_flow
 from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.validation import RECORD_TTL
 from p2pfusion.peer.backup import PROMOTION_STAGGER, promotion_rank, replaced, stage_servers
-from p2pfusion.peer.balance import place_peer, unguarded_gap
+from p2pfusion.peer.balance import closing_rank, place_peer, unguarded_gap
 from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.peer.runtime import PeerOptions
-from p2pfusion.peer.upkeep import GAP_JITTER
+from p2pfusion.peer.upkeep import GAP_STAGGER
 from p2pfusion.sim.fleet import Volunteer
 from p2pfusion.sim.swarm import RELOAD_SECONDS_PER_LAYER, Swarm
 
@@ -161,7 +161,8 @@ class Timeline:
                 rank = promotion_rank(records, other)
                 self._at(self.now + pause + rank * PROMOTION_STAGGER, self._promote, other.peer_id, before, rank)
             elif other.state == PeerState.ONLINE and gap:
-                self._at(self.now + pause + self.rng.uniform(0, GAP_JITTER), self._close_gap, other.peer_id)
+                rank = closing_rank(records, self.layers, other)
+                self._at(self.now + pause + rank * GAP_STAGGER, self._close_gap, other.peer_id)
 
     def _promote(self, peer_id: str, before: set[str], rank: int) -> None:
         record = self.swarm.records.get(peer_id)

@@ -101,7 +101,9 @@ class ResilientSession:
                     self.batch,
                 ).open()
                 # a hop frozen since its last ping would hold the opening for ACK_TIMEOUT, blamed on the first hop
-                self.session = await watched(opening, route, access.reach, access.swarm.transport, self._step_seconds)
+                self.session = await watched(
+                    opening, route, access.reach, access.swarm.transport, self._step_seconds, lambda: self._reference(route),
+                )
                 access.opened(route)
                 self._routed_around()
                 await self.update_params(self.params)
@@ -155,7 +157,8 @@ class ResilientSession:
             others = [r for r in usable(records, avoid, backups=backups, length=self.length)
                       if r.peer_id not in named and not reach.fresh(r.peer_id) and r.start >= self.first]
             others.sort(key=lambda r: -expected_throughput(r, observed) * r.span)  # the likeliest next choices
-            silent = await reach.screen(access.swarm.transport, unpinged + others[:SCREEN_CONCURRENCY - len(unpinged)])
+            asked = unpinged + others[:SCREEN_CONCURRENCY - len(unpinged)]
+            silent = await reach.screen(access.swarm.transport, asked, reference=reach.quickest(records, avoid))
             for peer_id in silent:
                 access.health.failed(peer_id, self._since(peer_id))
             if silent:
@@ -178,6 +181,10 @@ class ResilientSession:
             if now - told < AVOID_SECONDS and serving.get(peer, since) <= since
         }
         return set(self._avoid)
+
+    def _reference(self, route: list[PeerRecord]) -> PeerRecord | None:
+        """A peer off the route that answered lately: the one pinged beside a route's hops."""
+        return self.access.reach.quickest(list(self._known.values()), {r.peer_id for r in route})
 
     def _since(self, peer_id: str) -> float:
         record = self._known.get(peer_id)
@@ -239,7 +246,11 @@ class ResilientSession:
             inputs, ids = (hidden, positions) if not replay else self._replayed(hidden, positions)
             try:
                 step = self.session.step(inputs, self._timeout(inputs.shape[1]), mask, ids)
-                out = await watched(step, self.session.route, self.access.reach, self.access.swarm.transport, self._step_seconds)
+                route = self.session.route
+                out = await watched(
+                    step, route, self.access.reach, self.access.swarm.transport, self._step_seconds,
+                    lambda: self._reference(route),
+                )
             except PeerFailed as exc:
                 self.failed(exc)
                 self.recoveries += not isinstance(exc, SessionExpired)

@@ -19,6 +19,7 @@ from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerUnreachable, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
+from p2pfusion.net.silence import ask_all
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -79,24 +80,34 @@ class ReachBook:
         now = time.monotonic() if now is None else now
         return now - self.answered.get(peer_id, -ANSWER_TTL) < ANSWER_TTL
 
-    async def screen(self, transport: Transport, records: list[PeerRecord], timeout: float = PING_TIMEOUT) -> set[str]:
-        """Ping these peers, SCREEN_CONCURRENCY at a time; returns those that did not say they serve."""
-        gate = asyncio.Semaphore(SCREEN_CONCURRENCY)
-
-        async def one(record: PeerRecord) -> tuple[str, Answer, float]:
-            async with gate:
-                return record.peer_id, *await ping(transport, record.peer_id, record.data_addrs, timeout)
-
+    async def screen(
+        self, transport: Transport, records: list[PeerRecord], timeout: float = PING_TIMEOUT,
+        reference: PeerRecord | None = None,
+    ) -> set[str]:
+        """Ping these peers, SCREEN_CONCURRENCY at a time; returns those that did not say they
+        serve. Once one answers, a peer that answered before is waited for only a few of its round
+        trips (net/silence.py); `reference`, a peer pinged beside them, is there to answer."""
+        named = {r.peer_id for r in records}
+        asked = records + ([reference] if reference is not None and reference.peer_id not in named else [])
         silent = set()
-        for peer_id, answer, seconds in await asyncio.gather(*(one(r) for r in records)):
-            if answer == Answer.SERVING:
-                self.answered[peer_id] = time.monotonic()
-                self.rtts[peer_id] = seconds
-            else:
-                self.answered.pop(peer_id, None)
-                silent.add(peer_id)
+        for first in range(0, len(asked), SCREEN_CONCURRENCY):
+            calls = {r.peer_id: ping(transport, r.peer_id, r.data_addrs, timeout) for r in asked[first:first + SCREEN_CONCURRENCY]}
+            answers = await ask_all(calls, self.rtts, timeout, lambda a: a[0] != Answer.SILENT)
+            for peer_id, answer in answers.items():
+                if answer is not None and answer[0] == Answer.SERVING:
+                    self.answered[peer_id] = time.monotonic()
+                    self.rtts[peer_id] = answer[1]
+                else:
+                    self.answered.pop(peer_id, None)
+                    silent.add(peer_id)
         self._forget_stale()
-        return silent
+        return silent & named
+
+    def quickest(self, records: list[PeerRecord], exclude: set[str]) -> PeerRecord | None:
+        """The quickest peer among `records` that answered lately, outside `exclude`: pinged beside
+        others so that their silence is told from this client's own network failing."""
+        known = [r for r in records if r.peer_id not in exclude and self.fresh(r.peer_id) and r.peer_id in self.rtts]
+        return min(known, key=lambda r: self.rtts[r.peer_id], default=None)
 
     def _forget_stale(self) -> None:
         now = time.monotonic()
