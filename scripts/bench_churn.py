@@ -66,13 +66,13 @@ def _launch(swarm: LocalSwarm, setup: str):
     return procs[1]  # 20:30
 
 
-def _family(proc) -> list[int]:
+def family(proc) -> list[int]:
     """A peer's process and its children (its libp2p daemon)."""
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     return [proc.pid, *map(int, children)]
 
 
-def _signal(pids: list[int], number: int) -> None:
+def send_signal(pids: list[int], number: int) -> None:
     for pid in pids:
         try:
             os.kill(pid, number)
@@ -90,7 +90,7 @@ async def _generate(source, maddrs, tokens, victim: list[int], freeze: bool):
         def on_token(_token):
             stamps.append(time.perf_counter())
             if len(stamps) == KILL_AT:
-                _signal(victim, signal.SIGSTOP if freeze else signal.SIGKILL)
+                send_signal(victim, signal.SIGSTOP if freeze else signal.SIGKILL)
 
         result = await model.generate(ids, tokens, on_token=on_token)
         return stamps, result
@@ -110,14 +110,14 @@ def reference_tokens(source, tokens: int) -> list[int]:
 def measure_stall(source, setup: str, tokens: int, expected: list[int], freeze: bool) -> float | None:
     """The run's stall in seconds; None when the generation failed or its tokens differ."""
     with LocalSwarm(model=None) as swarm:
-        victim = _family(_launch(swarm, setup))
+        victim = family(_launch(swarm, setup))
         try:
             stamps, result = uvloop.run(_generate(source, swarm.maddrs, tokens, victim, freeze))
         except P2PFusionError as exc:
             print(f"  {setup}: FAILED: {exc}", file=sys.stderr)
             return None
         finally:
-            _signal(victim, signal.SIGKILL)  # a stopped process takes no SIGTERM
+            send_signal(victim, signal.SIGKILL)  # a stopped process takes no SIGTERM
     gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]
     stall = max(gaps) - statistics.median(gaps)
     same = result.token_ids == expected

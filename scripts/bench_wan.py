@@ -16,7 +16,8 @@ R = 0 (each hop's compute, the links' own cost and the client's head, measured i
   context and on free chat (targets 1.8x and 0.95x at 50 ms): drafts looked up in the text, and,
   with --draft-layers N, drafts from a draft model made of the default model's first N layers and
   its head (N = all its layers: a drafter that always agrees, the upper bound).
-- failover: at --spec-rtt, fresh swarms whose stage peer is killed (SIGKILL) after 12 tokens, with a
+- failover: at --spec-rtt, fresh swarms whose stage peer is killed (SIGKILL; with --freeze, SIGSTOP
+  to it and its libp2p daemon: a host suspended, its connections open) after 12 tokens, with a
   warm `--backup` and without one (the peer that alone serves its layers dies, and a peer must move); the stall is the longest gap between tokens
   less the median, each run's tokens compared with transformers' greedy tokens.
 Needs root. Usage: sudo .venv/bin/python scripts/bench_wan.py [--parts sweep,spec,failover]
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import signal
 import statistics
 import sys
 import tempfile
@@ -47,7 +49,7 @@ from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
 from bench_machine import machine_header
-from bench_churn import KILL_AT, PROMPT, reference_tokens
+from bench_churn import KILL_AT, PROMPT, family, reference_tokens, send_signal
 from bench_poisoned_run import small_model
 from bench_speculative import FREE, REPEATING, lookup_bound
 
@@ -151,7 +153,7 @@ async def measured(wan: WanSwarm, source, draft: Path | None, args) -> dict:
         await client.shutdown()
 
 
-async def _stalled(source, maddrs: list[str], tokens: int, victim) -> tuple[list[float], list[int], int]:
+async def _stalled(source, maddrs: list[str], tokens: int, victim: list[int], freeze: bool) -> tuple[list[float], list[int], int]:
     client = await join_swarm(maddrs, client_mode=True)
     try:
         model = RemoteCausalLM.build(source, client, verify=0.0, speculate="off")
@@ -160,7 +162,7 @@ async def _stalled(source, maddrs: list[str], tokens: int, victim) -> tuple[list
         def on_token(_token: int) -> None:
             stamps.append(time.perf_counter())
             if len(stamps) == KILL_AT:
-                victim.kill()
+                send_signal(victim, signal.SIGSTOP if freeze else signal.SIGKILL)
 
         result = await model.generate(model.encode(PROMPT, chat=True), tokens, on_token=on_token)
         return stamps, result.token_ids, result.recoveries
@@ -202,11 +204,14 @@ def failover(source, layers: int, setup: str, expected: list[int], args) -> floa
         if doomed is None:
             print(f"  {setup}: every peer's layers are served twice; no run", file=sys.stderr)
             return None
+        victim = family(doomed)
         try:
-            stamps, tokens, recoveries = uvloop.run(_stalled(source, maddrs, args.tokens, doomed))
+            stamps, tokens, recoveries = uvloop.run(_stalled(source, maddrs, args.tokens, victim, args.freeze))
         except P2PFusionError as exc:
             print(f"  {setup}: FAILED: {exc}", file=sys.stderr)
             return None
+        finally:
+            send_signal(victim, signal.SIGKILL)  # a stopped process takes no SIGTERM
     gaps = [b - a for a, b in itertools.pairwise(stamps[1:])]
     stall = max(gaps) - statistics.median(gaps)
     same = tokens == expected
@@ -227,6 +232,7 @@ def main() -> None:
     parser.add_argument("--loss", type=float, default=0.01, help="share of chunks lost in the rough-links row")
     parser.add_argument("--draft-layers", type=int, help="also draft with the default model's first N layers")
     parser.add_argument("--stall-runs", type=int, default=2, help="failover runs per setup")
+    parser.add_argument("--freeze", action="store_true", help="failover: SIGSTOP the peer and its daemon instead of SIGKILL")
     parser.add_argument("--mbit", type=int, default=1000, help="each host's link rate")
     parser.add_argument("--lookups", type=int, default=30, help="DHT lookups timed at each round trip")
     parser.add_argument("--users", type=int, default=8, help="generations at once, at 0 ms and at --spec-rtt")
@@ -255,6 +261,7 @@ def main() -> None:
             runs = [failover(source, layers, setup, expected, args) for _ in range(args.stall_runs)]
             stalls = sorted(s for s in runs if s is not None)
             name = "a warm backup" if setup == "backup" else "no backup (a peer moves)"
+            name += ", the peer frozen (SIGSTOP)" if args.freeze else ""
             summary = f"p50 {statistics.median(stalls):.2f} s, max {stalls[-1]:.2f} s" if stalls else "no run completed"
             print(f"failover at RTT {args.spec_rtt:.0f} ms with {name}: {len(stalls)} of {len(runs)} generations "
                   f"complete and token-identical; stall {summary}")
