@@ -15,7 +15,8 @@ After one peer starts the swarm, all others start at once. Then:
    time and whether they list every serving peer;
 5. a greedy generation, token-identical to transformers' own on the same small model;
 6. churn: every minute for --churn-minutes, a random --churn-share of the nodes are killed
-   (SIGKILL, daemon included) and started again, while --users clients generate without pause.
+   (SIGKILL, daemon included; --freeze-share of them frozen first: scripts/scale_churn.py) and
+   started again, while --users clients generate without pause.
    Every generation must complete, token-identical; coverage is sampled every few seconds.
 Usage: python scripts/bench_scale.py [--nodes 60] [--peers 20] [--churn-minutes 10] [--screenshot docs/x.png]
 """
@@ -194,6 +195,8 @@ def main() -> None:
     parser.add_argument("--fresh-clients", type=int, default=10)
     parser.add_argument("--churn-minutes", type=float, default=10.0)
     parser.add_argument("--churn-share", type=float, default=0.2)
+    parser.add_argument("--freeze-share", type=float, default=0.0,
+                        help="of each minute's victims, the share frozen (SIGSTOP) for a while before the kill")
     parser.add_argument("--users", type=int, default=2)
     parser.add_argument("--screenshot", type=Path, help="save the API's swarm dashboard here")
     args = parser.parse_args()

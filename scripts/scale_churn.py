@@ -1,5 +1,8 @@
 """Churn for scripts/bench_scale.py: every minute a random share of the nodes is killed and started
-again, while users generate without pause and a sampler reads the swarm's coverage."""
+again, while users generate without pause and a sampler reads the swarm's coverage. With
+--freeze-share, that share of each minute's victims is frozen instead (SIGSTOP to the node and its
+daemon, as a host suspended or gone without a reset) for FROZEN_SECONDS, then killed and started
+again: the volunteer's host never came back, and a new start takes its place."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from p2pfusion.errors import P2PFusionError
 
 ROUND_SECONDS = 60.0
 SAMPLE_EVERY = 5.0
+FROZEN_SECONDS = 45.0  # longer than a record lives (30 s): only clients' reports tell of a frozen peer sooner
 
 
 @dataclass
@@ -80,16 +84,22 @@ async def churn(fleet, source, client, expected: dict, args) -> None:
     stop, out = asyncio.Event(), Outcomes()
     users = [asyncio.create_task(user(i, fleet, source, expected, stop, out)) for i in range(args.users)]
     sampling = asyncio.create_task(sampler(client, source, args.layers, stop, out))
-    restarts, killed = [], {"peer": 0, "dht": 0}
+    restarts, killed, frozen = [], {"peer": 0, "dht": 0}, 0
     rounds = max(1, round(args.churn_minutes * 60 / ROUND_SECONDS))
     for minute in range(rounds):
         victims = fleet.rng.sample(fleet.live(), min(len(fleet.live()), round(args.churn_share * len(fleet.nodes))))
-        for node in victims:
-            fleet.kill(node)
+        freezing = round(args.freeze_share * len(victims))
+        for i, node in enumerate(victims):
+            if i < freezing:
+                fleet.freeze(node)
+                asyncio.get_running_loop().call_later(FROZEN_SECONDS, fleet.kill, node)
+            else:
+                fleet.kill(node)
             killed[node.kind] += 1
+        frozen += freezing
         restarts += [asyncio.create_task(fleet.restart(node)) for node in victims]
-        print(f"  minute {minute}: killed {len(victims)} nodes; {out.identical} generations done so far, "
-              f"{len(out.failed)} failed", file=sys.stderr)
+        print(f"  minute {minute}: stopped {len(victims)} nodes ({freezing} frozen); {out.identical} generations "
+              f"done so far, {len(out.failed)} failed", file=sys.stderr)
         await asyncio.sleep(ROUND_SECONDS)
     stop.set()
     await asyncio.gather(*users)
@@ -97,8 +107,9 @@ async def churn(fleet, source, client, expected: dict, args) -> None:
     back = await asyncio.gather(*restarts)
     came_back = [s for s in back if s is not None]
     done = out.identical + out.differ
-    print(f"churn: {rounds} minutes, {len(back)} kills ({killed['peer']} peers, {killed['dht']} DHT nodes), "
-          f"{len(came_back)} back, in {statistics.median(came_back):.0f} s median ({max(came_back):.0f} s max)")
+    print(f"churn: {rounds} minutes, {len(back)} kills ({killed['peer']} peers, {killed['dht']} DHT nodes; {frozen} "
+          f"frozen {FROZEN_SECONDS:.0f} s first), {len(came_back)} back, in {statistics.median(came_back):.0f} s median "
+          f"({max(came_back):.0f} s max)")
     print(f"churn, {args.users} users: {done} generations completed ({out.identical} token-identical, "
           f"{out.differ} differ), {len(out.failed)} failed; per generation {statistics.median(out.seconds):.1f} s "
           f"median; stall median {statistics.median(out.stalls):.2f} s, max {max(out.stalls):.2f} s")

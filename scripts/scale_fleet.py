@@ -124,6 +124,16 @@ class Fleet:
         node.ready = time.time()
         return True
 
+    def freeze(self, node: Node) -> None:
+        """SIGSTOP to the node and its daemon: a host suspended, or gone without a reset (its
+        connections stay open and nothing answers); `kill` ends it later."""
+        if node.proc is not None and node.proc.returncode is None:
+            try:
+                os.killpg(node.proc.pid, signal.SIGSTOP)
+            except ProcessLookupError:
+                pass
+        node.ready = None
+
     def kill(self, node: Node) -> None:
         if node.proc is not None and node.proc.returncode is None:
             try:

@@ -7,7 +7,7 @@ The peers' timers are the peer's own (peer/runtime.py's options, peer/upkeep.py,
 - a newcomer places itself (`place_peer`) and serves once its layers are loaded;
 - every watch period, a backup whose stage lost a peer promotes, in rank order, and a serving
   peer that sees a layer nobody serves nor guards plans a move to it (`plan_move`, no minimum
-  gain, after a random pause); its record says where it goes (`moving_to`) while it loads;
+  gain, in `closing_rank` order); its record says where it goes (`moving_to`) while it loads;
 - every rebalance period, a backup takes up its stage if demand needs it, and a serving peer moves
   if the cost model says so.
 A move or a join takes RELOAD_SECONDS_PER_LAYER per layer. What the swarm carries is the maximum
