@@ -127,17 +127,17 @@ class Fleet:
     def freeze(self, node: Node) -> None:
         """SIGSTOP to the node and its daemon: a host suspended, or gone without a reset (its
         connections stay open and nothing answers); `kill` ends it later."""
-        if node.proc is not None and node.proc.returncode is None:
-            try:
-                os.killpg(node.proc.pid, signal.SIGSTOP)
-            except ProcessLookupError:
-                pass
-        node.ready = None
+        self._signal(node, signal.SIGSTOP)
 
     def kill(self, node: Node) -> None:
+        self._signal(node, signal.SIGKILL)
+
+    @staticmethod
+    def _signal(node: Node, number: int) -> None:
+        """To the node's process group (its daemon too); it no longer counts as live."""
         if node.proc is not None and node.proc.returncode is None:
             try:
-                os.killpg(node.proc.pid, signal.SIGKILL)
+                os.killpg(node.proc.pid, number)
             except ProcessLookupError:
                 pass
         node.ready = None
