@@ -14,6 +14,7 @@ import pytest
 import uvloop
 
 from p2pfusion.client.route.planner import find_route
+from p2pfusion.client.survey import unanswered
 from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
@@ -103,14 +104,14 @@ def test_a_peer_nobody_reaches_says_so_and_claims_no_layers(tiny_models):
 def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_path):
     """A frozen peer (SIGSTOP: listed, connections open, nothing answers) shows in `swarm` as
     unreachable with the reason, its layers as not served by reachable peers, and a client's
-    error names it."""
+    error names it. A view that has seen it echo before gives up on it once the other peer echoed."""
     source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "chat")
     model = str(source.folder)
     with peers_in_background(source, [(0, 2)]) as (_, maddrs, _loop):
         second = _peer_cli(model, "--initial-peers", maddrs[0], "--layers", "2:4")
         try:
             _wait_for_layers(maddrs, [[0, 2], [2, 4]])
-            os.kill(second.pid, signal.SIGSTOP)
+            listed, before, after = uvloop.run(_echoes_around(maddrs, lambda: os.kill(second.pid, signal.SIGSTOP)))
             # the three wait on the same frozen peer's timeouts: at once, they wait once
             shown, table, infer = _all_at_once(
                 [*CLI, "swarm", "--initial-peers", maddrs[0], "--json"],
@@ -120,6 +121,8 @@ def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_p
         finally:
             os.kill(second.pid, signal.SIGKILL)
             second.communicate()
+    (frozen_id,) = [r.peer_id for r in listed if (r.start, r.end) == (2, 4)]
+    assert before == {} and after == {frozen_id: "no echo while other peers echoed at once"}, (before, after)
     (view,) = json.loads(shown.stdout)["models"]
     frozen = [p for p in view["peers"] if p["layers"] == [2, 4]]
     assert len(frozen) == 1 and frozen[0]["state"] == "unreachable" and frozen[0]["claimed_state"] == "online"
@@ -128,6 +131,21 @@ def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_p
     assert "unreachable" in table.stdout and "listed peers claim 2:4, but cannot be reached" in table.stdout, table.stdout
     last = infer.stderr.strip().splitlines()[-1]
     assert infer.returncode != 0 and "no peer serves layers 2:4" in last and frozen[0]["peer_id"] in last, infer.stderr
+
+
+async def _echoes_around(maddrs, freeze):
+    """The listed peers, and those that do not echo before and after `freeze()`, asked as the
+    dashboard asks (the first round's echo times kept for the second)."""
+    swarm = await join_swarm(maddrs, client_mode=True)
+    try:
+        (entry,) = await swarm.models()
+        listed = await swarm.lookup(entry.key)
+        rtts: dict[str, float] = {}
+        before = await unanswered(swarm, listed, rtts)
+        freeze()
+        return listed, before, await unanswered(swarm, listed, rtts)
+    finally:
+        await swarm.shutdown()
 
 
 def _all_at_once(*commands: list[str]) -> list[subprocess.CompletedProcess]:

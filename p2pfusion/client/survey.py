@@ -26,7 +26,7 @@ from p2pfusion.dht.coverage import layer_throughputs
 from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState, span_throughput
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import P2PFusionError
-from p2pfusion.net.probe import silence
+from p2pfusion.net.probe import silent_peers
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +36,7 @@ PROBE_STEPS = 4  # one-token steps a peer is timed over
 PROBES_AT_ONCE = 8
 PING_TIMEOUT = 2.0  # a live peer echoes in milliseconds; a killed one refuses the dial at once
 SNAPSHOT_TTL = 1.5  # seconds a view (reachability included) is shared by those who ask for it
+MAX_RTTS = 4096  # peers whose echo times a dashboard keeps
 
 
 def ranges(layers: list[int]) -> list[list[int]]:
@@ -120,11 +121,15 @@ async def time_peer(
     return record.span / seconds
 
 
-async def unanswered(swarm: SwarmNode, records: list[PeerRecord]) -> dict[str, str]:
-    """The peers of `records` that do not answer an echo now, all asked at once, and why."""
-    transport = swarm.transport
-    answers = await asyncio.gather(*(silence(transport, r.peer_id, r.data_addrs, PING_TIMEOUT) for r in records))
-    return {r.peer_id: why for r, why in zip(records, answers) if why is not None}
+async def unanswered(swarm: SwarmNode, records: list[PeerRecord], rtts: dict[str, float]) -> dict[str, str]:
+    """The peers of `records` that do not echo now, all asked at once, and why; `rtts`: the round
+    trips of their earlier echoes (a frozen peer is given up after a few of them, net/probe.py),
+    updated, and trimmed to the MAX_RTTS latest."""
+    peers = {r.peer_id: r.data_addrs for r in records}
+    silent = await silent_peers(swarm.transport, peers, PING_TIMEOUT, rtts)
+    for peer_id in list(rtts)[:max(len(rtts) - MAX_RTTS, 0)]:
+        del rtts[peer_id]
+    return silent
 
 
 class SwarmStatus:
@@ -136,6 +141,7 @@ class SwarmStatus:
         self.healths = dict(healths or {})
         self._lock = asyncio.Lock()
         self._snapshot: tuple[float, dict] | None = None
+        self._rtts: dict[str, float] = {}  # peer id -> its last echo's round trip
 
     def health(self, key: str) -> PeerHealth:
         if key not in self.healths:
@@ -145,7 +151,7 @@ class SwarmStatus:
     async def view(self, entry: ModelEntry, probe: bool = False) -> dict:
         """One model's view. `probe` first times each live peer from here (a short session each)."""
         listed = [r for r in await self.swarm.lookup(entry.key) if r.state != PeerState.OFFLINE]
-        unreachable = await unanswered(self.swarm, listed)
+        unreachable = await unanswered(self.swarm, listed, self._rtts)
         health = self.health(entry.key)
         if probe:
             gate = asyncio.Semaphore(PROBES_AT_ONCE)

@@ -8,7 +8,9 @@ the same path (direct TLS, or libp2p) that hidden states would take.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
+from collections.abc import Mapping
 from contextlib import asynccontextmanager
 
 import torch
@@ -17,6 +19,7 @@ from p2pfusion.errors import PeerFailed, PeerUnreachable, RequestError
 from p2pfusion.net.clients import Source
 from p2pfusion.net.compression import LinkSpeed
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
+from p2pfusion.net.silence import ask_all
 from p2pfusion.net.transport import Transport
 
 PROTOCOL = "p2pfusion.probe.v1"
@@ -67,17 +70,46 @@ async def _rtt(transport: Transport, peer_id: str, data_addrs: list[str]) -> flo
         return await _round_trips(reader, writer, None, rounds=1)
 
 
+async def echo_time(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> tuple[str | None, float]:
+    """(None, the echo's round trip, its stream's setup excluded) when the peer echoes within
+    `timeout`; else (why not, in a few words, inf)."""
+    try:
+        return None, await asyncio.wait_for(_rtt(transport, peer_id, data_addrs), timeout)
+    except TimeoutError:
+        return f"no echo within {timeout:g} s", math.inf
+    except PeerUnreachable:
+        return "no connection opens to it, directly or through libp2p", math.inf
+    except (PeerFailed, RequestError, EOFError, OSError) as exc:
+        return f"its echo failed: {str(exc)[:80] or type(exc).__name__}", math.inf
+
+
 async def silence(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> str | None:
     """None when the peer echoes within `timeout`; else why not, in a few words."""
-    try:
-        await asyncio.wait_for(_rtt(transport, peer_id, data_addrs), timeout)
-        return None
-    except TimeoutError:
-        return f"no echo within {timeout:g} s"
-    except PeerUnreachable:
-        return "no connection opens to it, directly or through libp2p"
-    except (PeerFailed, RequestError, EOFError, OSError) as exc:
-        return f"its echo failed: {str(exc)[:80] or type(exc).__name__}"
+    return (await echo_time(transport, peer_id, data_addrs, timeout))[0]
+
+
+async def silent_peers(
+    transport: Transport, peers: Mapping[str, list[str]], timeout: float, rtts: dict[str, float],
+    unknown_like_first: bool = False,
+) -> dict[str, str]:
+    """Of `peers` (peer id -> data addresses), all asked at once, those that do not echo, and why.
+    Once one has echoed, a silent one is given up after a few of its earlier round trips
+    (net/silence.py): a frozen peer keeps its connections open and would cost the whole timeout.
+    `rtts` holds the round trips of earlier echoes, and takes this round's."""
+    calls = {peer_id: echo_time(transport, peer_id, addrs, timeout) for peer_id, addrs in peers.items()}
+    answers = await ask_all(calls, rtts, timeout, lambda answer: answer[0] is None, unknown_like_first)
+    echoed = any(answer is not None and answer[0] is None for answer in answers.values())
+    silent = {}
+    for peer_id, answer in answers.items():
+        if answer is None:  # given up: early only once another echoed, if its round trip was known
+            early = echoed and (unknown_like_first or peer_id in rtts)
+            silent[peer_id] = "no echo while other peers echoed at once" if early else f"no echo within {timeout:g} s"
+        elif answer[0] is not None:
+            silent[peer_id] = answer[0]
+        else:
+            rtts.pop(peer_id, None)  # the latest last: a caller trims the oldest
+            rtts[peer_id] = answer[1]
+    return silent
 
 
 async def reachable(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> bool:

@@ -14,7 +14,6 @@ from collections.abc import Callable
 
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.net import probe
-from p2pfusion.net.silence import ask_all
 from p2pfusion.net.transport import Transport
 
 VERIFY_TTL = 10.0  # seconds our check of a peer that clients reported unreachable is trusted
@@ -45,9 +44,10 @@ class ReportCheck:
     async def _probe(self, targets: list[PeerRecord], unreported: list[PeerRecord], now: float) -> None:
         rtts = self.round_trips()
         asked = targets + sorted(unreported, key=lambda r: rtts.get(r.peer_id, float("inf")))[:1]
-        calls = {r.peer_id: probe.reachable(self.transport, r.peer_id, r.data_addrs, PROBE_TIMEOUT) for r in asked}
-        answers = await ask_all(calls, rtts, PROBE_TIMEOUT, lambda ok: ok, unknown_like_first=True)
+        silent = await probe.silent_peers(
+            self.transport, {r.peer_id: r.data_addrs for r in asked}, PROBE_TIMEOUT, dict(rtts), unknown_like_first=True,
+        )
         if len(self._verdicts) >= MAX_VERDICTS:
             self._verdicts = {p: v for p, v in self._verdicts.items() if now - v[0] <= VERIFY_TTL}
         for record in targets:
-            self._verdicts[record.peer_id] = (now, bool(answers[record.peer_id]))
+            self._verdicts[record.peer_id] = (now, record.peer_id not in silent)

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PASS_TIMEOUT = 600.0  # one micro-batch's forward or backward through its chain
 OUTER_TIMEOUT = 900.0  # an outer step: pseudo-gradients, the all-reduce, the Nesterov step
+LOST_PROBE_TIMEOUT = 3.0  # seconds a replica of a failed chain is asked to echo at most
 AVOID_SECONDS = 60.0  # a replica that failed is left out this long (or until it answers a status)
 EVICT_SECONDS = 600.0  # a replica whose pseudo-gradient the others' robust means left out
 ROUND_ATTEMPTS = 3
@@ -254,8 +255,13 @@ class TrainingRun:
         peers = {r.peer_id: r for route in routes for r in route}
         gone = {exc.peer_id} if exc.peer_id in peers else set()
         if not gone:  # a silent chain: ask each of its replicas
-            alive = await asyncio.gather(*[probe.reachable(self.swarm.transport, p, r.data_addrs) for p, r in peers.items()])
-            gone = {p for p, ok in zip(peers, alive) if not ok}
+            # a frozen replica is judged by the others' echo times: wrongly left out, a replica
+            # only sits out until it answers a status
+            silent = await probe.silent_peers(
+                self.swarm.transport, {p: r.data_addrs for p, r in peers.items()}, LOST_PROBE_TIMEOUT, {},
+                unknown_like_first=True,
+            )
+            gone = set(silent)
         for peer_id in gone:
             self._avoid[peer_id] = time.monotonic() + AVOID_SECONDS
             self._ready.pop(peer_id, None)
