@@ -9,8 +9,9 @@ import time
 import pytest
 import uvloop
 
-from p2pfusion.dht.records import ModelEntry
-from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.client.route.catalog import model_records
+from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState
+from p2pfusion.dht.swarm import LOOKUP_TIMEOUT, join_swarm
 from p2pfusion.errors import ConfigError
 
 HIVEMIND_TIMEOUT = 3.0  # hivemind's own request timeout, which a silent node used to cost in full
@@ -71,5 +72,37 @@ def test_an_identity_in_use_is_refused_and_free_once_its_peer_stopped(tmp_path):
             await again.shutdown()
         finally:
             await bootstrap.shutdown()
+
+    uvloop.run(main())
+
+
+def test_a_read_held_up_by_silent_nodes_gives_way_to_the_records_found_lately():
+    """Every DHT node frozen: a read waits out its timeout, while a client that found the model's
+    records moments ago routes by those (every record is pinged before a route uses it)."""
+
+    async def main():
+        nodes = [await join_swarm([])]
+        first = await nodes[0].maddrs()
+        nodes += [await join_swarm(first) for _ in range(2)]
+        try:
+            for i, node in enumerate(nodes):
+                assert await node.announce(PeerRecord("model-x", node.peer_id, [], i, i + 1, PeerState.ONLINE, 10.0, None, "cpu"))
+            client = await join_swarm([(await node.maddrs())[0] for node in nodes], client_mode=True)
+            try:
+                found = await model_records(client, "model-x", "model x")
+                for node in nodes:
+                    os.kill(node.p2p._child.pid, signal.SIGSTOP)
+                started = time.monotonic()
+                again = await model_records(client, "model-x", "model x")
+                waited = time.monotonic() - started
+            finally:
+                for node in nodes:
+                    os.kill(node.p2p._child.pid, signal.SIGCONT)
+                await client.shutdown()
+        finally:
+            for node in nodes:
+                await node.shutdown()
+        assert sorted(r.peer_id for r in found) == sorted(node.peer_id for node in nodes)
+        assert again == found and waited < LOOKUP_TIMEOUT, waited
 
     uvloop.run(main())

@@ -149,7 +149,7 @@ class Canaries:
             length = longest
         else:
             length = min(len(ids) + self._rng.choice(USER_LENGTHS), longest)
-        await core.shared("distrust", core.distrust.refresh)
+        await core.read_reports()
         session = core.session(length, through=through)
         try:
             tokens = await self._generate(session, ids, new)

@@ -124,14 +124,22 @@ class ClientCore:
         self.access()
         return self._distrust
 
-    async def shared(self, kind: str, read: Callable[[], Awaitable]):
+    def shared(self, kind: str, read: Callable[[], Awaitable]) -> asyncio.Future:
         """`read()`, or the answer of the one of its kind in flight: a burst of sessions costs the
-        DHT one read, and sessions opening beside the first fault reports' read wait for it (it
-        counts as done once started) rather than route through peers it would distrust."""
+        DHT one read."""
         task = self._reads.get(kind)
         if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
             task = self._reads[kind] = asyncio.ensure_future(read())
-        return await asyncio.shield(task)
+        return asyncio.shield(task)
+
+    async def read_reports(self) -> None:
+        """Other clients' fault reports (`Distrust.refresh`). Sessions opening before the first read
+        has ended wait for it (it counts as done once started) rather than route through peers it
+        would distrust; later reads run beside the sessions, which route by the verdicts so far: a
+        DHT slowed by frozen nodes held every generation up to REPORT_TIMEOUT at each read."""
+        reading = self.shared("distrust", self.distrust.refresh)
+        if not self.distrust.read_once:
+            await reading
 
     def session(
         self, length: int, params: SessionParams | None = None, purpose: Purpose = Purpose.INFERENCE, batch: int = 1,
@@ -147,7 +155,7 @@ class ClientCore:
     ) -> ResilientSession:
         """An open session, routed around the peers this client distrusts (other clients' reports read first)."""
         session = self.session(length, params, purpose, batch, first, through)
-        await self.shared("distrust", self.distrust.refresh)
+        await self.read_reports()
         return await session.open()
 
     def verifier(self, session: ResilientSession) -> Verifier | None:

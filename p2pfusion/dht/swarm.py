@@ -68,7 +68,8 @@ class SwarmNode:
     validator: SwarmValidator
     patience: Patience  # the DHT's answer times, shared by its requests that give up on silent nodes
     seen: dict[str, float] = field(default_factory=dict)  # peer id -> when a lookup last listed it
-    found: dict[str, float] = field(default_factory=dict)  # model key -> when a lookup last found its records
+    # model key -> when a lookup last found its records, and those records
+    found: dict[str, tuple[float, list[PeerRecord]]] = field(default_factory=dict)
 
     @property
     def p2p(self) -> P2P:
@@ -181,12 +182,17 @@ class SwarmNode:
                 self.transport.circuit_book.learn(record.peer_id, record.maddrs)
         self._remember(records)
         if records and run is None:
-            self.found[model] = time.monotonic()
+            self.found[model] = (time.monotonic(), records)
         return records
 
     def found_lately(self, model: str) -> bool:
         """Whether a lookup of this node found the model's records in the last REMEMBERED seconds."""
-        return time.monotonic() - self.found.get(model, -REMEMBERED) < REMEMBERED
+        return time.monotonic() - self.found.get(model, (-REMEMBERED, []))[0] < REMEMBERED
+
+    def recent(self, model: str, max_age: float) -> list[PeerRecord]:
+        """The records of the model's last lookup that found any, if it ran within `max_age` seconds."""
+        when, records = self.found.get(model, (-max_age, []))
+        return list(records) if time.monotonic() - when < max_age else []
 
     def _remember(self, records: list[PeerRecord]) -> None:
         now = time.monotonic()

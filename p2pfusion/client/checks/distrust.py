@@ -48,6 +48,7 @@ class Distrust:
         self.proven: set[str] = set()  # peers this client's own canaries convicted: no more canaries owed
         self._verdicts: dict[bytes, bool] = {}  # a report's evidence, by digest -> whether it convicts
         self._read_at = -math.inf
+        self.read_once = False  # a read of the reports has ended, its verdicts applied (or it failed)
 
     async def refresh(self) -> None:
         if time.monotonic() - self._read_at < REFRESH_SECONDS:
@@ -59,8 +60,10 @@ class Distrust:
             reports = await asyncio.wait_for(swarm.fault_reports(model, self._accused(records)), REPORT_TIMEOUT)
         except (TimeoutError, OSError) as exc:
             log.debug("cannot read fault reports: %r", exc)
+            self.read_once = True
             return
         await self.judge(reports)
+        self.read_once = True
 
     def _accused(self, records: list[PeerRecord]) -> list[str]:
         """The peers whose reports are read: those listed, the ones this client routes through first."""
