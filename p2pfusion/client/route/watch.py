@@ -27,7 +27,7 @@ from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed
 from p2pfusion.net.transport import Transport
 
-SUSPECT_FACTOR = 10.0  # times the usual one-token step
+SUSPECT_FACTOR = 5.0  # times the usual one-token step: a step looked into for nothing costs a ping a hop
 MIN_SUSPECT = 1.0  # seconds
 SILENCE = 2.0  # seconds a live peer has to answer a ping: a fresh connection across a continent
 
