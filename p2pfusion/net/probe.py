@@ -83,11 +83,6 @@ async def echo_time(transport: Transport, peer_id: str, data_addrs: list[str], t
         return f"its echo failed: {str(exc)[:80] or type(exc).__name__}", math.inf
 
 
-async def silence(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> str | None:
-    """None when the peer echoes within `timeout`; else why not, in a few words."""
-    return (await echo_time(transport, peer_id, data_addrs, timeout))[0]
-
-
 async def silent_peers(
     transport: Transport, peers: Mapping[str, list[str]], timeout: float, rtts: dict[str, float],
     unknown_like_first: bool = False,
@@ -113,7 +108,7 @@ async def silent_peers(
 
 
 async def reachable(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = 3.0) -> bool:
-    return await silence(transport, peer_id, data_addrs, timeout) is None
+    return (await echo_time(transport, peer_id, data_addrs, timeout))[0] is None
 
 
 async def _measure(transport: Transport, peer_id: str, data_addrs: list[str], payload_bytes: int) -> LinkSpeed:
