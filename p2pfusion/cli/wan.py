@@ -122,6 +122,9 @@ class DelayRelay:
 
     def __init__(self, host: str, ports: list[int], matrix: Matrix, target: str = "127.0.0.1"):
         self.host, self.ports, self.matrix, self.target = host, ports, matrix, target
+        # asyncio drops its own reference to a connection's handler once the client's side is
+        # gone; one still copying from a frozen peer would then be collected mid-await
+        self._handling: set[asyncio.Task] = set()
 
     async def serve(self) -> None:
         servers = [await asyncio.start_server(self._handler(port), self.host, port) for port in self.ports]
@@ -129,6 +132,9 @@ class DelayRelay:
 
     def _handler(self, port: int):
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            task = asyncio.current_task()
+            self._handling.add(task)
+            task.add_done_callback(self._handling.discard)
             source = writer.get_extra_info("peername")[0]
             try:
                 up_reader, up_writer = await asyncio.open_connection(self.target, port)
