@@ -7,7 +7,8 @@
    report a second, fresh client judges to hold (it recomputes the evidence itself), any honest
    peer convicted, and a canary's wall time. "in 1 session of 4" lies only in sessions it draws at
    random: the column "canaries to catch" is the median number of canaries sent until one
-   convicted it.
+   convicted it. "drafts only" lies only on steps of a token and its drafts (speculative decoding,
+   which canaries do as users do).
 2. False convictions: honest peers of four formats (float32, int8, bfloat16, int4) on both stages,
    clients of every codec in turn; N canaries: peers convicted, and peers avoided for receipts
    that do not hold.
@@ -31,8 +32,9 @@ import torch
 import uvloop
 from tqdm import tqdm
 
-from p2pfusion.client.canary import Canaries
 from p2pfusion.client.checks.evidence import judge_report
+from p2pfusion.client.generate.canary import Canaries
+from p2pfusion.client.generate.draft import MAX_DRAFTS
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.dht.swarm import join_swarm
@@ -67,6 +69,7 @@ CORRUPTIONS = {
     "noise 0.1%": noise(1e-3),
     "noise 0.01%": noise(1e-4),
     "decode steps only": lambda out, offset: torch.zeros_like(out) if out.shape[1] == 1 else out,
+    "drafts only": lambda out, offset: torch.zeros_like(out) if 2 <= out.shape[1] <= MAX_DRAFTS + 1 else out,
     "noise 1% in 1 session of 4": "sometimes",
     "token nudge": "nudge",
     "int4 as float32": "int4",
@@ -108,7 +111,7 @@ def convictions(source, args) -> None:
                     model = RemoteCausalLM.build(source, client, compression="none", verify=0.0)
                     t0 = time.perf_counter()
                     # through the liar, which clients that read the reports so far would avoid
-                    result = await Canaries(model.core).run(through=liar_id)
+                    result = await Canaries(model.core, model.speculates).run(through=liar_id)
                     seconds.append(time.perf_counter() - t0)
                     sent += 1
                     framed += bool(set(result.convicted) & honest)
@@ -144,18 +147,21 @@ async def fresh_report(model, result, liar_id):
 def honest_canaries(source, args) -> None:
     peers_loop = BackgroundLoop("bench-peers")
     peers, maddrs = peers_loop.run(start_mixed(source))
-    convicted = avoided = 0
+    convicted = avoided = drafted = fell = 0
     routes: dict[str, int] = {}
 
     async def run() -> None:
-        nonlocal convicted, avoided
+        nonlocal convicted, avoided, drafted, fell
         client = await join_swarm(maddrs, client_mode=True)
         try:
             for i in tqdm(range(args.honest), desc="honest canaries", file=sys.stderr, disable=not sys.stderr.isatty()):
                 model = RemoteCausalLM.build(source, client, compression=CODECS[i % len(CODECS)], verify=0.0)
-                result = await Canaries(model.core, seed=i).run()
+                result = await Canaries(model.core, model.speculates, seed=i).run()
                 convicted += bool(result.convicted)
                 avoided += bool(result.avoided)
+                steps = sorted((r.step, r.offset, r.tokens) for r in result.receipts if r.peer_id == result.route[0])
+                drafted += any(tokens > 1 for _, _, tokens in steps[1:])
+                fell += any(offset < before + size for (_, before, size), (_, offset, _) in zip(steps, steps[1:]))
                 for peer in result.route:
                     routes[peer] = routes.get(peer, 0) + 1
         finally:
@@ -170,7 +176,8 @@ def honest_canaries(source, args) -> None:
     names = {p.swarm.peer_id: FORMAT_NAMES[i] for i, p in enumerate(peers)}
     through = ", ".join(f"{names.get(p, p[:8])} {n}" for p, n in sorted(routes.items(), key=lambda kv: names.get(kv[0], "")))
     print(f"honest: {args.honest} canaries, codecs {', '.join(CODECS)} in turn; peers {layout}; hops through {through}")
-    print(f"  a peer convicted in {convicted}, a peer avoided for its receipts in {avoided}")
+    print(f"  a peer convicted in {convicted}, a peer avoided for its receipts in {avoided}; {drafted} canaries sent "
+          f"drafts, in {fell} some fell and left the caches")
 
 
 def receipt_cost(source) -> None:

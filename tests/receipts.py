@@ -14,14 +14,17 @@ HIDDEN = 16
 
 
 def signed_steps(key: ReceiptKey, inputs: torch.Tensor, outputs: torch.Tensor, sizes: list[int], start=1, end=3,
-                 weights="float32", codec=Codec.NONE, session="session-1"):
-    """The receipts a peer with `key` signs for one session's steps of `sizes` positions."""
+                 weights="float32", codec=Codec.NONE, session="session-1", offsets: list[int] | None = None):
+    """The receipts a peer with `key` signs for one session's steps of `sizes` positions, which
+    `inputs` and `outputs` hold one after the other; each step begins at its `offsets` (by default
+    where the one before ended; earlier: drafts of the one before fell)."""
     chain = ReceiptChain(key, session, start, end, weights)
-    receipts, offset = [], 0
+    receipts, taken, offset = [], 0, 0
     for step, size in enumerate(sizes, 1):
-        part = slice(offset, offset + size)
+        offset = offset if offsets is None else offsets[step - 1]
+        part = slice(taken, taken + size)
         receipts.append(chain.receipt(step, offset, inputs[:, part], outputs[:, part], codec))
-        offset += size
+        taken, offset = taken + size, offset + size
     return receipts
 
 
@@ -37,5 +40,5 @@ def fault(accused: str | None = None, identity: Identity | None = None, key: Rec
         receipts = [dataclasses.replace(r, peer_id=accused) for r in receipts]
         cert = dataclasses.replace(cert, peer_id=accused)
     last = receipts[-1]
-    evidence = Evidence(list(range(5)), cert, last, [(r.tokens, r.rows) for r in receipts[:-1]])
+    evidence = Evidence(list(range(5)), cert, last, [(r.offset, r.tokens, r.rows) for r in receipts[:-1]])
     return FaultReport(last.peer_id, last.start, last.end, 0.25, evidence, time.time())

@@ -1,7 +1,8 @@
 """Evidence, not votes, on real peers: a peer that lies only on decode steps (honest on the
 replays that localize a fault) is caught by a canary's signed receipts and reported with them; a
 fresh client that never checked anything convicts it from the report alone; a forged report
-convicts nobody and discredits its signer; and a canary's frames look like a user's to a peer."""
+convicts nobody and discredits its signer; a canary's frames look like a user's to a peer; and
+canaries speculate as users do, so a peer that lies only to sessions that draft is convicted."""
 
 import dataclasses
 import logging
@@ -10,7 +11,7 @@ import time
 import torch
 import uvloop
 
-from p2pfusion.client.canary import Canaries
+from p2pfusion.client.generate.canary import Canaries
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.records import FaultReport
 from p2pfusion.dht.swarm import join_swarm
@@ -49,7 +50,7 @@ async def hiding_liar(source):
                 suspects = dict(model.core.distrust.suspects)
                 await model.canaries.wait()  # the canaries owed to the suspects
                 await model.canaries.wait()
-                canary = await Canaries(model.core, seed=1).run(through=liar.swarm.peer_id)
+                canary = await Canaries(model.core, model.speculates, seed=1).run(through=liar.swarm.peer_id)
             finally:
                 await swarm.shutdown()
             reports = await peers[0].swarm.fault_reports(peers[0].model, [liar.swarm.peer_id])
@@ -83,7 +84,7 @@ def framed(canary, honest: str) -> FaultReport:
     mine = sorted((r for r in canary.receipts if r.peer_id == honest), key=lambda r: r.step)
     receipt = mine[-1]
     tokens = [(t + 1) % 256 for t in canary.tokens[:receipt.offset + receipt.tokens]]
-    evidence = Evidence(tokens, canary.certs[honest], receipt, [(r.tokens, r.rows) for r in mine[:-1]])
+    evidence = Evidence(tokens, canary.certs[honest], receipt, [(r.offset, r.tokens, r.rows) for r in mine[:-1]])
     return FaultReport(honest, receipt.start, receipt.end, 1.0, evidence, time.time())
 
 
@@ -116,8 +117,8 @@ def recording(peer, seen: dict) -> None:
     async def on_frame(session, frame, writer):
         header, tensor = frame
         seen["now"].append((
-            header.get("kind"), None if tensor is None else tuple(tensor.shape), header.get("mask") is None,
-            header.get("positions") is None, header.get("params"), len(header.get("receipts", [])),
+            header.get("kind"), None if tensor is None else tuple(tensor.shape), header.get("keep"),
+            header.get("mask") is None, header.get("positions") is None, header.get("params"), len(header.get("receipts", [])),
             len(header.get("certs", [])), session.batch, session.purpose, session.compression,
             sorted(session.downstream_peers),
         ))
@@ -131,11 +132,10 @@ async def wire_patterns(source):
         canary_frames, user_frames = [], []
         seen = {"now": canary_frames}
         recording(peers[1], seen)
-        # a canary steps one token at a time, as a user without drafts does: receipts cover a
-        # session's positions once each, which drafts that fall and leave the caches would break
+        # without drafts, a canary steps one token at a time, as such a user does, frame for frame
         swarm, model = await client(source, maddrs, verify=0.0, speculate="off")
         try:
-            canary = await Canaries(model.core, seed=3).run()
+            canary = await Canaries(model.core, model.speculates, seed=3).run()
             prompt = canary.prompt
             seen["now"] = user_frames
             ids = [(7 * i + 3) % 256 for i in range(prompt)]
@@ -150,3 +150,42 @@ def test_a_canary_looks_like_a_user_to_a_peer(tiny_models):
     assert not canary.convicted and not canary.avoided and len(canary.route) == 3
     assert canary_frames == user_frames
     assert [f[0] for f in canary_frames][-1] == "close" and any(f[1] == (1, 1, 64) for f in canary_frames)
+
+
+def on_drafts_only(corrupt):
+    """A liar that lies only to sessions that speculate: it corrupts steps of a token and its drafts
+    (2 to 9 positions), never a prefill or a plain decode step."""
+
+    def forward(out):
+        return corrupt(out) if 2 <= out.shape[1] <= 9 else out
+
+    return forward
+
+
+async def drafting_canaries(source, prompt):
+    async with running_peers(source, HOPS) as (peers, maddrs):
+        seen = {"now": []}
+        recording(peers[1], seen)
+        swarm, model = await client(source, maddrs, verify=0.0)  # users speculate: so do canaries
+        try:
+            canaries = Canaries(model.core, model.speculates, seed=4)
+            canaries.prompt = lambda room, least=0: prompt  # a text that repeats itself drafts well
+            honest = await canaries.run()
+            lie(peers[1], on_drafts_only(noise))
+            lying = await canaries.run()
+        finally:
+            await swarm.shutdown()
+    return honest, lying, seen["now"], peers[1].swarm.peer_id
+
+
+def test_canaries_speculate_as_users_do_and_convict_a_liar_to_drafts(tiny_models):
+    source = tiny_models["llama"]
+    with torch.no_grad():
+        ref = reference_model(source)
+        loop = ref.generate(torch.tensor([IDS]), max_new_tokens=24, min_new_tokens=24, do_sample=False)[0].tolist()
+    honest, lying, frames, liar = uvloop.run(drafting_canaries(source, loop + loop))
+    # steps of a token and its drafts, and the positions of those that fell dropped, as a user's
+    assert any(kind == "step" and 2 <= shape[1] <= 9 for kind, shape, *_ in frames)
+    assert any(keep is not None for _, _, keep, *_ in frames)
+    assert not honest.convicted and not honest.avoided  # receipts of drafts that fell hold honest peers to nothing
+    assert set(lying.convicted) == {liar} and lying.reported == {liar}

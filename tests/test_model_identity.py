@@ -42,8 +42,9 @@ def folders(tmp_path_factory):
     """The same weights twice (one file; many shards, another name), other weights, and other
     weights under the first one's name."""
     root = tmp_path_factory.mktemp("identity")
-    _model(0).save_pretrained(root / "smol-a")
-    _model(0).save_pretrained(root / "renamed-copy", max_shard_size="40KB")
+    same = _model(0)  # one model saved twice: threads other tests left may draw on torch's generator
+    same.save_pretrained(root / "smol-a")
+    same.save_pretrained(root / "renamed-copy", max_shard_size="40KB")
     _model(0, nudge=True).save_pretrained(root / "nudged")
     (root / "elsewhere").mkdir()
     _model(1).save_pretrained(root / "elsewhere" / "smol-a")

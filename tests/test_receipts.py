@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from p2pfusion.client.checks.evidence import INPUT_BAR, judge_receipt, output_bar
+from p2pfusion.client.checks.evidence import INPUT_BAR, judge_receipt, output_bar, standing
 from p2pfusion.client.route.receipts import SignedSteps
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import ProofError
@@ -58,13 +58,15 @@ def test_a_receipt_is_bound_to_its_peer_and_content(key):
 def test_evidence_binds_the_earlier_inputs(key):
     inputs, outputs = states()
     receipts = signed_steps(key, inputs, outputs, SIZES)
-    evidence = Evidence(list(range(5)), key.cert, receipts[-1], [(r.tokens, r.rows) for r in receipts[:-1]])
+    evidence = Evidence(list(range(5)), key.cert, receipts[-1], [(r.offset, r.tokens, r.rows) for r in receipts[:-1]])
     assert [(first, tokens) for first, tokens, _ in evidence.verify()] == [(0, 3), (3, 1), (4, 1)]
     forged_rows = bytes(len(receipts[0].rows))
     with pytest.raises(ProofError):  # other earlier inputs than those the peer signed
-        dataclasses.replace(evidence, earlier=[(3, forged_rows), (1, receipts[1].rows)]).verify()
+        dataclasses.replace(evidence, earlier=[(0, 3, forged_rows), (3, 1, receipts[1].rows)]).verify()
     with pytest.raises(ProofError):
-        dataclasses.replace(evidence, earlier=[(3, receipts[0].rows)]).verify()
+        dataclasses.replace(evidence, earlier=[(0, 3, receipts[0].rows)]).verify()
+    with pytest.raises(ProofError):  # the same rows at other positions: where each step began is signed too
+        dataclasses.replace(evidence, earlier=[(0, 3, receipts[0].rows), (2, 1, receipts[1].rows)]).verify()
 
 
 def test_a_recomputation_within_rounding_acquits_and_a_lie_convicts(key):
@@ -75,13 +77,52 @@ def test_a_recomputation_within_rounding_acquits_and_a_lie_convicts(key):
     for receipt in receipts:
         part = slice(receipt.offset, receipt.offset + receipt.tokens)
         upto = [s for s in steps_of(receipts) if s[0] <= receipt.offset]
-        assert not judge_receipt(receipt, upto, recomputed_in, recomputed_out[:, part]).guilty
+        assert not judge_receipt(receipt, upto, recomputed_in[:, :part.stop], recomputed_out[:, :part.stop]).guilty
     for size in (1e-3, 1e-2):  # a lie on the last step, as a fraction of the state's norm
         lied = outputs.clone()
         lied[:, -1] += size * outputs[:, -1].norm() * torch.nn.functional.normalize(torch.randn(HIDDEN), dim=0)
         receipts = signed_steps(key, inputs, lied, SIZES)
-        judgement = judge_receipt(receipts[-1], steps_of(receipts), recomputed_in, recomputed_out[:, -1:])
+        judgement = judge_receipt(receipts[-1], steps_of(receipts), recomputed_in, recomputed_out)
         assert judgement.guilty and judgement.output_error > judgement.bar
+
+
+def drafted(lie_at: int | None = None):
+    """A session whose second step carried drafts, two of which fell (the third step begins
+    where the first of them was): the canary's final inputs (6 positions), and what the peer was
+    sent and returned at each of its 8 positions, its output at `lie_at` (of those 8) lied."""
+    torch.manual_seed(0)
+    final, fell = torch.randn(1, 6, HIDDEN), torch.randn(1, 2, HIDDEN)
+    sent = torch.cat([final[:, :5], fell, final[:, 5:]], dim=1)
+    returned = torch.tanh(sent) * 3
+    if lie_at is not None:
+        returned[:, lie_at] += 0.1 * returned[:, lie_at].norm()
+    return final, sent, returned
+
+
+def test_drafts_that_fell_are_not_judged_and_what_stands_is(key):
+    final, sent, returned = drafted()
+    receipts = signed_steps(key, sent, returned, [3, 4, 1], offsets=[0, 3, 5])
+    steps = steps_of(receipts)
+    assert standing(steps, 6) == [3, 2, 1] and standing(steps, 4) == [3, 1, 0]
+    blocks = [(0, SKETCHED + 8, torch.zeros(SKETCHED, 8)), (SKETCHED, 1, torch.zeros(1, 8))]
+    assert standing(blocks, SKETCHED + 1) is None  # a cut inside a step sketched by blocks
+
+    def verdicts(receipts):
+        steps, counts = steps_of(receipts), standing(steps_of(receipts), 6)
+        known = [r.offset + n for r, n in zip(receipts, counts)]
+        out = torch.tanh(final) * 3
+        return [
+            judge_receipt(r, steps[:i + 1], final[:, :k], out[:, :k]).guilty for i, (r, k) in enumerate(zip(receipts, known))
+        ]
+
+    assert verdicts(receipts) == [False, False, False]  # honest: the fallen drafts' outputs are not the canary's
+    assert verdicts(signed_steps(key, sent, drafted(lie_at=6)[2], [3, 4, 1], offsets=[0, 3, 5])) == [False] * 3
+    assert verdicts(signed_steps(key, sent, drafted(lie_at=4)[2], [3, 4, 1], offsets=[0, 3, 5])) == [False, True, False]
+    lied = signed_steps(key, sent, drafted(lie_at=4)[2], [3, 4, 1], offsets=[0, 3, 5])
+    evidence = Evidence(list(range(5)), key.cert, lied[1], [(0, 3, lied[0].rows)])
+    assert [(first, count) for first, count, _ in evidence.verify()] == [(0, 3), (3, 4)]
+    with pytest.raises(ProofError):  # a step placed elsewhere than the peer signed
+        Evidence(list(range(5)), key.cert, lied[2], [(0, 3, lied[0].rows), (4, 4, lied[1].rows)]).verify()
 
 
 def test_a_peer_given_other_inputs_is_not_convicted(key):
@@ -90,7 +131,7 @@ def test_a_peer_given_other_inputs_is_not_convicted(key):
     inputs, outputs = states()
     receipts = signed_steps(key, inputs, outputs, SIZES)
     other_in, other_out = states(seed=1)
-    judgement = judge_receipt(receipts[-1], steps_of(receipts), other_in, other_out[:, -1:])
+    judgement = judge_receipt(receipts[-1], steps_of(receipts), other_in, other_out)
     assert not judgement.guilty and judgement.input_error > INPUT_BAR and math.isnan(judgement.output_error)
 
 
@@ -136,3 +177,10 @@ def test_a_session_reads_the_codecs_its_hops_signed(key):
     assert signed.codecs(0, 6) is None  # a position no receipt covers
     signed.take([dataclasses.replace(receipts[0], codec=Codec.NONE)], [])  # changed on the way: not signed so
     assert signed.codecs(0, 3) is None
+    # drafts that fell: a step of 4 from position 3 and the next from 5 cover 3-6 twice, and 7 never
+    final, sent, returned = drafted()
+    signed = SignedSteps("s", [hop])
+    signed.take(signed_steps(key, sent, returned, [3, 4, 1], session="s", offsets=[0, 3, 5]), [key.cert])
+    for step in range(1, 4):
+        signed.sent(step, Codec.NONE)
+    assert signed.codecs(0, 7) == {Codec.NONE} and signed.codecs(0, 8) is None

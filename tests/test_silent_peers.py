@@ -13,6 +13,7 @@ from p2pfusion.client.route.catalog import model_records
 from p2pfusion.dht.records import ModelEntry, PeerRecord, PeerState
 from p2pfusion.dht.swarm import LOOKUP_TIMEOUT, join_swarm
 from p2pfusion.errors import ConfigError
+from tests.receipts import fault
 
 HIVEMIND_TIMEOUT = 3.0  # hivemind's own request timeout, which a silent node used to cost in full
 
@@ -106,3 +107,36 @@ def test_a_read_held_up_by_silent_nodes_gives_way_to_the_records_found_lately():
         assert again == found and waited < LOOKUP_TIMEOUT, waited
 
     uvloop.run(main())
+
+
+def test_fault_reports_against_many_peers_are_read_in_one_traversal():
+    """A client reads the reports against every peer it may route through: twenty keys, one
+    traversal whose requests ask a node for several keys each. A read per key made a traversal
+    each, and under churn each waited on the silent nodes on its own."""
+
+    async def main():
+        nodes = [await join_swarm([])]
+        first = await nodes[0].maddrs()
+        nodes += [await join_swarm(first) for _ in range(4)]
+        reader = await join_swarm(first, client_mode=True)
+        try:
+            report = fault()
+            assert await nodes[1].report_faulty("model-x", report)
+            accused = [report.peer_id, *(f"QmMadeUp{i}" for i in range(19))]
+            asked = []
+            find = reader.dht.protocol.call_find
+
+            async def counted(peer, keys):
+                asked.append(len(keys))
+                return await find(peer, keys)
+
+            reader.dht.protocol.call_find = counted
+            found = await reader.fault_reports("model-x", accused)
+        finally:
+            for node in [reader, *nodes]:
+                await node.shutdown()
+        return report.peer_id, found, asked
+
+    accused, found, asked = uvloop.run(main())
+    assert [report.peer_id for _, report in found] == [accused]
+    assert 3 * len(asked) <= sum(asked), asked  # a read per key: 100 requests of one key here

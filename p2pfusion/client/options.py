@@ -38,7 +38,7 @@ class ClientOptions:
     local_layers: int = 0  # run at least the first K layers on the client (generate/local_layers.py)
     min_precision: WeightFormat = WeightFormat.INT4  # the least precise weight format a route may use
     screen_head: bool = True  # greedy tokens through the float16 screen of the LM head (generate/screen.py)
-    canaries: float = 0.0  # chance a generation is followed by a canary session (client/canary.py)
+    canaries: float = 0.0  # chance a generation is followed by a canary session (client/generate/canary.py)
     # "auto": speculative decoding (client/generate/draft.py) where the layers can drop rejected drafts; "off"
     speculate: str = "auto"
     # a small model with the same tokenizer that drafts for speculative decoding (client/generate/draft_model.py),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -94,19 +95,13 @@ class SwarmNode:
         return await self.dht.store(key, subkey=subkey, value=value, expiration_time=get_dht_time() + ttl)
 
     async def _read(self, key: str) -> list[tuple[str, str, Any]]:
-        """(subject, writer, value) of the key's subkeys, the latest first; bounded in time and in
-        count. The subject is the subkey less its owner marker, the writer the subkey's signer (the
-        validator has checked the signature)."""
+        """(subject, writer, value) of the key's subkeys (`_entries`), bounded in time."""
         found = await self._get(key)
-        if (found is None or not isinstance(found.value, dict)) and await self.heal():
+        if not _entries(found) and await self.heal():
             # a long-lived node (a client between generations) may have lost every neighbour to
             # unanswered requests on a busy machine: one read after they are back
             found = await self._get(key)
-        if found is None or not isinstance(found.value, dict):
-            return []
-        entries = sorted(found.value.items(), key=lambda item: -getattr(item[1], "expiration_time", 0.0))
-        kept = [(_subject(subkey), owner_of(subkey), getattr(e, "value", None)) for subkey, e in entries[:MAX_FOUND]]
-        return [(subject, writer, value) for subject, writer, value in kept if writer is not None]
+        return _entries(found)
 
     async def _get(self, key: str):
         try:
@@ -115,6 +110,26 @@ class SwarmNode:
         except asyncio.TimeoutError:
             log.warning("DHT read of %s took over %.0f s; going on without it", key, LOOKUP_TIMEOUT)
             return None
+
+    async def _get_many(self, keys: list[str]) -> list:
+        """The latest values of `keys` found within LOOKUP_TIMEOUT, read in one traversal of the
+        DHT (each request asks a node for several keys; one read per key cost a traversal each,
+        and on a DHT slowed by silent nodes each waited out the timeout on its own). The searches
+        of keys not found by then are given up."""
+        if not keys:
+            return []
+        with reading():
+            futures = await self.dht.get_many(keys, sufficient_expiration_time=math.inf, return_futures=True)
+            try:
+                done, pending = await asyncio.wait(futures.values(), timeout=LOOKUP_TIMEOUT)
+            finally:  # the caller's own timeout, too: searches nobody waits for stop
+                for future in futures.values():
+                    future.cancel()
+        if pending:
+            log.warning(
+                "DHT reads of %d of %d keys took over %.0f s; going on without them", len(pending), len(keys), LOOKUP_TIMEOUT
+            )
+        return [f.result() for f in done if not f.cancelled() and f.exception() is None]
 
     async def announce(self, record: PeerRecord, ttl: float = RECORD_TTL) -> bool:
         # a host listening on every interface may have more addresses than a record may carry
@@ -152,8 +167,8 @@ class SwarmNode:
     async def fault_reports(self, model: str, peers: Iterable[str]) -> list[tuple[str, FaultReport]]:
         """(reporter, report) pairs against `peers`, read at once; the reporter is the report's
         signer, whatever its value says."""
-        found = await asyncio.gather(*(self._read(fault_key(model, peer)) for peer in peers))
-        pairs = [(writer, FaultReport.from_value(value)) for entries in found for _, writer, value in entries]
+        found = await self._get_many([fault_key(model, peer) for peer in dict.fromkeys(peers)])
+        pairs = [(writer, FaultReport.from_value(value)) for value in found for _, writer, value in _entries(value)]
         return [(writer, report) for writer, report in pairs if report is not None]
 
     async def publish_charter(self, charter: RunCharter, ttl: float = RUN_TTL) -> bool:
@@ -242,6 +257,17 @@ class SwarmNode:
     async def shutdown(self) -> None:
         await self.dht.shutdown()
         await self.transport.shutdown()
+
+
+def _entries(found) -> list[tuple[str, str, Any]]:
+    """(subject, writer, value) of a read's subkeys, the latest first, at most MAX_FOUND. The
+    subject is the subkey less its owner marker, the writer the subkey's signer (the validator has
+    checked the signature)."""
+    if found is None or not isinstance(found.value, dict):
+        return []
+    entries = sorted(found.value.items(), key=lambda item: -getattr(item[1], "expiration_time", 0.0))
+    kept = [(_subject(subkey), owner_of(subkey), getattr(e, "value", None)) for subkey, e in entries[:MAX_FOUND]]
+    return [(subject, writer, value) for subject, writer, value in kept if writer is not None]
 
 
 def _subject(subkey: object) -> str:

@@ -10,8 +10,10 @@ within rounding of it, so it can be checked without the tensor itself (TOPLOC's 
 projections instead of top-k values).
 
 - The input rows use directions drawn from the session and layers, the same for every step; the
-  receipt's `history` chains them (sha256 over the previous history and this step's rows), so one
-  receipt commits to every input the session's KV cache was built from.
+  receipt's `history` chains them with where each step began and how many positions it held
+  (sha256 over the previous history, this step's offset and size, and its rows), so one receipt
+  commits to every input the session's KV cache was built from, drafts that fell and left it
+  (a step that begins before the last one ended) included.
 - The output sketch uses directions drawn from the output's own digest, which the peer cannot know
   before it has fixed the output: a lie cannot be shaped to be invisible in the sketch.
 
@@ -92,8 +94,8 @@ def session_seed(session: str, start: int) -> bytes:
     return f"rows:{session}:{start}".encode()
 
 
-def chain(history: bytes, rows: bytes) -> bytes:
-    return hashlib.sha256(history + rows).digest()
+def chain(history: bytes, offset: int, tokens: int, rows: bytes) -> bytes:
+    return hashlib.sha256(history + struct.pack("<QQ", offset, tokens) + rows).digest()
 
 
 def rows_of(data: bytes) -> torch.Tensor:
@@ -219,9 +221,9 @@ class ReceiptChain:
         if self._rows is None:
             self._rows = directions(seed, inputs.shape[-1])
         rows = _bytes(sketch(inputs, seed, self._rows))
-        self.history = chain(self.history, rows)
-        out_digest = digest(sent)
         batch, tokens = inputs.shape[0], inputs.shape[1]
+        self.history = chain(self.history, offset, tokens, rows)
+        out_digest = digest(sent)
         receipt = Receipt(
             self.session, step, self.key.peer_id, self.start, self.end, self.weights, codec, offset, batch, tokens,
             digest(inputs), rows, self.history, out_digest, _bytes(sketch(sent, out_digest)),
@@ -232,31 +234,33 @@ class ReceiptChain:
 @dataclass(frozen=True)
 class Evidence:
     """A canary's proof that a peer computed wrong: the canary's tokens (synthetic, no user's
-    data), the peer's certificate and its receipt of the step, and the input rows of the session's
-    earlier steps at that peer, with their sizes in positions (the receipt's history binds them)."""
+    data) up to where the receipt's step stands (its drafts that fell are not among them), the
+    peer's certificate and its receipt of the step, and the session's earlier steps at that peer:
+    first position, size in positions and input rows each (the receipt's history binds them)."""
 
     tokens: Annotated[list[Annotated[int, Bound(0)]], Length(MAX_CANARY_TOKENS, 1)]
     cert: ReceiptCert
     receipt: Receipt
-    earlier: Annotated[list[tuple[Annotated[int, Bound(1)], Sketch]], Length(MAX_EARLIER)]
+    earlier: Annotated[list[tuple[Count, Annotated[int, Bound(1)], Sketch]], Length(MAX_EARLIER)]
 
     def check(self) -> None:
         if self.receipt.peer_id != self.cert.peer_id:
             raise WireError("the receipt and the certificate name different peers")
-        if self.receipt.batch != 1 or self.receipt.offset + self.receipt.tokens > len(self.tokens):
+        if self.receipt.batch != 1 or self.receipt.offset >= len(self.tokens):
             raise WireError("the receipt covers positions the canary's tokens do not")
 
     def verify(self, now: float | None = None) -> list[tuple[int, int, torch.Tensor]]:
         """Check the signatures and the rows' chain: (first position, positions, input rows) of
-        every step up to the receipt's. ProofError when any of it does not hold."""
+        every step up to the receipt's, in order. ProofError when any of it does not hold."""
         self.receipt.verify(self.cert.verify(now))
-        steps, history, offset = [], b"", 0
-        for tokens, rows in [*self.earlier, (self.receipt.tokens, self.receipt.rows)]:
-            history = chain(history, rows)
-            if rows_of(rows).shape[0] != sketch_rows(1, tokens):
-                raise ProofError(f"the rows given for a step of {tokens} positions are not that step's")
+        steps, history, end = [], b"", 0
+        receipt = self.receipt
+        for offset, tokens, rows in [*self.earlier, (receipt.offset, receipt.tokens, receipt.rows)]:
+            history = chain(history, offset, tokens, rows)
+            if rows_of(rows).shape[0] != sketch_rows(1, tokens) or offset > end:
+                raise ProofError(f"the steps given for peer {receipt.peer_id} leave positions out or misstate their rows")
             steps.append((offset, tokens, rows_of(rows)))
-            offset += tokens
-        if history != self.receipt.history or offset != self.receipt.offset + self.receipt.tokens:
-            raise ProofError(f"the rows given for peer {self.receipt.peer_id}'s earlier steps are not those it signed")
+            end = offset + tokens
+        if history != receipt.history:
+            raise ProofError(f"the rows given for peer {receipt.peer_id}'s earlier steps are not those it signed")
         return steps

@@ -4,7 +4,7 @@
 agreed output of hop k-1, and its output is compared with other peers of the same layers (a
 witness, then a third opinion to decide, or else the client's own computation of those layers
 from its copy of the weights). The peer found wrong is distrusted and named to the user; peers
-found wrong or avoided become suspects, which canaries go through (client/canary.py): a user's
+found wrong or avoided become suspects, which canaries go through (client/generate/canary.py): a user's
 states are never published, and a canary's receipts are evidence others can check. Each
 comparison's bar comes from the weight formats of the peers compared (client/checks/policy.py).
 """

@@ -4,7 +4,7 @@ fault report in the DHT convicts, by this client's own judgement of the report's
 model's records list (dht/records.py, `fault_key`). Reports are evidence, not votes:
 one that holds convicts however few wrote it; one that does not convicts nobody and discredits
 its signer (its reports not judged yet are no longer judged). And the peers it suspects: those whose results it saw
-wrong without evidence to show, which canaries (client/canary.py) go through."""
+wrong without evidence to show, which canaries (client/generate/canary.py) go through."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ that computation (it received the canary's true states, by its own word) and its
 does not. The bar is the rounding of the signer's weight format and of its output's codec, plus
 what its layers may grow the input's rounding into, with a margin for what eight directions
 estimate of a relative error. The same judgement runs on a fault report's evidence, by any client
-that reads it: a report that does not hold discredits its signer. `judge_receipt` and `output_bar`
-are pure.
+that reads it: a report that does not hold discredits its signer. `standing`, `judge_receipt`
+and `output_bar` are pure.
 """
 
 from __future__ import annotations
@@ -56,19 +56,42 @@ def output_bar(receipt: Receipt, input_error: float) -> float:
     return SKETCH_MARGIN * (rounding + AMPLIFY * input_error)
 
 
-def judge_receipt(
-    receipt: Receipt, steps: list[tuple[int, int, torch.Tensor]], inputs: torch.Tensor, output: torch.Tensor
-) -> Judgement:
-    """`steps`: (first position, positions, input rows) of the session at this peer up to the
-    receipt's step; `inputs` the recomputed input of those positions [1, positions, hidden];
-    `output` the recomputed output of the receipt's step [1, tokens, hidden]."""
+Step = tuple[int, int, torch.Tensor]  # first position, positions, input rows
+
+
+def standing(steps: list[Step], known: int) -> list[int] | None:
+    """How many positions of each step (in order) the session's cache still held at the last one,
+    among its first `known` positions: a step that begins before the one before it ended dropped
+    that one's later positions (drafts that fell). None when a cut falls in a step sketched by
+    blocks, whose rows no longer say which positions they stand for."""
+    counts, cut = [], known
+    for first, count, rows in reversed(steps):
+        kept = max(min(first + count, cut) - first, 0)
+        cut = min(cut, first)
+        if 0 < kept < count and rows.shape[0] != count:
+            return None
+        counts.append(kept)
+    return counts[::-1]
+
+
+def judge_receipt(receipt: Receipt, steps: list[Step], inputs: torch.Tensor, outputs: torch.Tensor) -> Judgement:
+    """`steps`: (first position, positions, input rows) of the session at this peer, up to the
+    receipt's step; `inputs` and `outputs` the recomputed input and output of the peer's layers
+    at the positions the client knows the tokens of [1, known, hidden]. Only positions that stand
+    are judged: those of drafts that fell were fed tokens the client no longer holds."""
+    counts = standing(steps, inputs.shape[1])
+    if not counts or not counts[-1]:
+        return Judgement(False, math.nan, math.nan, math.nan)  # nothing of the step is known, or not which rows
     seed = session_seed(receipt.session, receipt.start)
     input_error = max(
-        float(sketch_errors(rows, sketch(inputs[:, first:first + tokens], seed)).max()) for first, tokens, rows in steps
+        float(sketch_errors(rows[:kept], sketch(inputs[:, first:first + kept], seed)).max())
+        for (first, _, rows), kept in zip(steps, counts) if kept
     )
     if not input_error <= INPUT_BAR:
         return Judgement(False, input_error, math.nan, math.nan)
-    claimed = rows_of(receipt.output)
+    judged = counts[-1]  # all of a step sketched by blocks (`standing`)
+    claimed = rows_of(receipt.output)[:judged]
+    output = outputs[:, receipt.offset:receipt.offset + judged]
     output_error = float(sketch_errors(claimed, sketch(output, receipt.output_digest)).max())
     bar = output_bar(receipt, input_error)
     return Judgement(not output_error <= bar, input_error, output_error, bar)
@@ -86,9 +109,7 @@ def judge_report(report: FaultReport, recomputer: Recomputer, now: float | None 
         steps = evidence.verify(now)
     except (ProofError, RequestError):
         return acquitted
-    end = receipt.offset + receipt.tokens
-    states = recomputer.states(evidence.tokens[:end], [receipt.start, receipt.end])
+    states = recomputer.states(evidence.tokens[:receipt.offset + receipt.tokens], [receipt.start, receipt.end])
     if states is None:
         return None
-    step = slice(receipt.offset, end)
-    return judge_receipt(receipt, steps, states[receipt.start], states[receipt.end][:, step])
+    return judge_receipt(receipt, steps, states[receipt.start], states[receipt.end])

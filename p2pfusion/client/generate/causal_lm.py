@@ -16,7 +16,7 @@ import torch
 
 from p2pfusion.client.checks.policy import MAX_REWINDS
 from p2pfusion.client.checks.verifier import Verifier
-from p2pfusion.client.canary import Canaries
+from p2pfusion.client.generate.canary import Canaries
 from p2pfusion.client.core import ClientCore, connect
 from p2pfusion.client.generate import template
 from p2pfusion.client.generate.conversation import Conversation, Generated
@@ -50,7 +50,7 @@ class RemoteCausalLM:
         # greedy tokens through bounds on the head's logits (generate/screen.py); False: not built yet
         self._heads: HeadBatcher | None | bool = False if core.options.screen_head else None
         self.lockstep = Lockstep()  # decoding sessions step together (generate/lockstep.py)
-        self.canaries = Canaries(core)  # sessions of its own, sent after generations (client/canary.py)
+        self.canaries = Canaries(core, self.speculates)  # sessions of its own, sent after generations (generate/canary.py)
         self._markers: list[str] | None = None  # the tokenizer's added tokens' texts (generate/template.py)
         self._longest_token: int | None = None
         self._speculates: bool | None = None  # whether generations draft (`speculates`); None: not known yet

@@ -63,7 +63,7 @@ class ResilientSession:
         self.purpose = purpose
         self.batch = batch  # sequences per step the peers make room for; a wider step opens again
         self.first = first  # the layer routes start at: the client runs those before it (client/generate/local_layers.py)
-        self.through = through  # a peer every route must use, even one avoided (a canary's suspect: client/canary.py)
+        self.through = through  # a peer every route must use, even one avoided (a canary's suspect: client/generate/canary.py)
         self.session: RouteSession | None = None
         self.history: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # (inputs, position ids) per step
         self.recoveries = 0

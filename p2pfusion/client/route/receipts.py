@@ -1,6 +1,6 @@
 """What a session's hops signed of its steps (net/receipts.py), as the client keeps it: their
 receipts and certificates as they came with each `Result`, and the codec this client sent each
-step's inputs in. A canary judges the receipts (client/canary.py); a check reads from them the
+step's inputs in. A canary judges the receipts (client/generate/canary.py); a check reads from them the
 codecs the states it compares actually crossed the wire in (`codecs`), so that its bar under
 `auto` compression is that of those codecs, not of any codec `auto` might have picked.
 """
@@ -52,18 +52,18 @@ class SignedSteps:
         receipts do not cover them or do not verify."""
         used: set[Codec] = set()
         for hop in self.route:
-            covered = 0
+            covered = set()  # positions: a step's drafts that fell are covered again by the next
             for receipt in self.receipts:
                 low, high = max(start, receipt.offset), min(end, receipt.offset + receipt.tokens)
                 if receipt.peer_id != hop.peer_id or receipt.session != self.session_id or low >= high:
                     continue
                 if not self._holds(receipt) or (hop is self.route[0] and receipt.step not in self._sent):
                     return None
-                covered += high - low
+                covered.update(range(low, high))
                 used.add(receipt.codec)
                 if hop is self.route[0]:
                     used.add(self._sent[receipt.step])
-            if covered < end - start:
+            if len(covered) < end - start:
                 return None
         return frozenset(used)
 

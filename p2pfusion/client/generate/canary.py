@@ -2,12 +2,13 @@
 
 A canary is a chat prompt in the model's chat template, short (a question from PROMPTS) or long
 (a passage of Python's own documentation to summarize, `pydoc_data`, present on every machine),
-sent through an ordinary session: a prefill, then greedy decode steps of one token, with a
+sent through an ordinary session: a prefill, then greedy decode steps, with drafts found by prompt
+lookup where the client's users speculate (client/generate/draft.py, the same policy), and a
 session length drawn as a user's client would ask for. Nothing on the wire tells a peer it is a
 canary, so a peer that lies only when it believes no one checks lies to canaries as often as to
-users. The client
-computes the canary's every layer itself (client/checks/local.py) and judges each hop's signed
-receipts against it (client/checks/evidence.py). A receipt that its signer's own input rows say
+users. The client computes the canary's every layer itself (client/checks/local.py) and judges
+each hop's signed receipts against it (client/checks/evidence.py), at the positions that stand:
+those of drafts that fell were fed tokens that are not the canary's. A receipt that its signer's own input rows say
 was computed from the canary's true states, and whose output is wrong, is published as a fault
 report: it carries only the canary's tokens and the peer's receipts, never a user's data, and
 any client can recompute it. Hops that sent no valid receipts, or receipts that contradict the
@@ -24,15 +25,17 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgpack
 import torch
 
-from p2pfusion.client.checks.evidence import Judgement, judge_receipt
-from p2pfusion.client.core import ClientCore
-from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.checks.distrust import REPORT_TIMEOUT
+from p2pfusion.client.checks.evidence import Judgement, judge_receipt, standing
+from p2pfusion.client.core import ClientCore
+from p2pfusion.client.generate.draft import Speculation, accept_greedy
+from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.dht.records import FaultReport, PeerRecord
 from p2pfusion.dht.validation import MAX_FAULT_BYTES
 from p2pfusion.errors import ModelError, PeerFailed, ProofError, RouteError
@@ -62,7 +65,7 @@ class CanaryResult:
     tokens: list[int]  # the prompt's, then those generated
     prompt: int
     convicted: dict[str, Judgement] = field(default_factory=dict)  # peers whose receipts convict them
-    wrong: dict[str, Receipt] = field(default_factory=dict)  # the receipt that convicts each
+    wrong: dict[str, tuple[Receipt, int]] = field(default_factory=dict)  # the receipt that convicts each, its positions that stand
     receipts: list[Receipt] = field(default_factory=list)  # every hop's, of the session's last route
     certs: dict[str, ReceiptCert] = field(default_factory=dict)
     avoided: set[str] = field(default_factory=set)  # peers with missing or inconsistent receipts
@@ -70,8 +73,9 @@ class CanaryResult:
 
 
 class Canaries:
-    def __init__(self, core: ClientCore, seed: int | None = None):
+    def __init__(self, core: ClientCore, speculates: Callable[[], bool] = lambda: False, seed: int | None = None):
         self.core = core
+        self.speculates = speculates  # whether the client's generations send drafts: canaries do as they do
         self._rng = random.Random(seed)
         self._running: asyncio.Task | None = None  # one canary at a time
 
@@ -175,19 +179,37 @@ class Canaries:
         return result
 
     async def _generate(self, session: ResilientSession, ids: list[int], new: int) -> list[int]:
-        core, embed = self.core, self.core.head.get_input_embeddings()
+        """`new` greedy tokens after `ids`, stepped as a user's generation steps (generate/conversation.py):
+        drafts behind each token where users send them, the positions of those that fell dropped."""
+        spec = Speculation() if self.speculates() else None
+        if spec is not None:
+            spec.begin()
+        out = await session.step(self._embed(ids))
+        tokens, choice = list(ids), await self._choices(out[:, -1:])
+        while True:
+            tokens.append(choice[0])
+            room = new - (len(tokens) - len(ids)) - 1
+            if room < 0:
+                return tokens
+            began = time.perf_counter()
+            drafts = [] if spec is None else spec.drafts(tokens, room)
+            out = await session.step(self._embed([tokens[-1], *drafts]))
+            choice = await self._choices(out)
+            accepted = accept_greedy(drafts, choice)
+            if accepted < len(drafts):
+                session.keep(session.position - (len(drafts) - accepted))
+            tokens += drafts[:accepted]
+            choice = choice[accepted:]
+            if spec is not None:
+                spec.took(len(drafts), accepted, time.perf_counter() - began)
+
+    def _embed(self, ids: list[int]) -> torch.Tensor:
+        core = self.core
         with torch.inference_mode():
-            hidden = embed(torch.tensor([ids])).to(core.options.dtype)
-        out = await session.step(hidden)
-        tokens = list(ids)
-        for i in range(new):
-            token = int((await asyncio.to_thread(core.greedy_tokens, out[:, -1:]))[0, -1])
-            tokens.append(token)
-            if i < new - 1:
-                with torch.inference_mode():
-                    hidden = embed(torch.tensor([[token]])).to(core.options.dtype)
-                out = await session.step(hidden)
-        return tokens
+            return core.head.get_input_embeddings()(torch.tensor([ids])).to(core.options.dtype)
+
+    async def _choices(self, out: torch.Tensor) -> list[int]:
+        return (await asyncio.to_thread(self.core.greedy_tokens, out))[0].tolist()
 
     def _judge_hop(
         self, hop: PeerRecord, receipts: list[Receipt], cert: ReceiptCert | None, states: dict[int, torch.Tensor],
@@ -208,20 +230,27 @@ class Canaries:
         if any(r.weights != hop.weights or r.batch != 1 for r in receipts):
             result.avoided.add(hop.peer_id)
             return True
-        steps, history, offset = [], b"", 0
+        steps, history, end = [], b"", 0
         for receipt in receipts:
-            history = chain(history, receipt.rows)
-            if receipt.offset != offset:
+            history = chain(history, receipt.offset, receipt.tokens, receipt.rows)
+            if receipt.offset > end:
                 return False  # a step's receipt is missing
             if receipt.history != history:
                 result.avoided.add(hop.peer_id)
                 return True
-            steps.append((offset, receipt.tokens, rows_of(receipt.rows)))
-            offset += receipt.tokens
+            steps.append((receipt.offset, receipt.tokens, rows_of(receipt.rows)))
             end = receipt.offset + receipt.tokens
-            judgement = judge_receipt(receipt, steps, states[hop.start], states[hop.end][:, receipt.offset:end])
+        counts = standing(steps, states[hop.start].shape[1])  # what stands of each step at the end
+        if counts is None:  # a cut no canary makes
+            result.avoided.add(hop.peer_id)
+            return True
+        for i, (receipt, kept) in enumerate(zip(receipts, counts)):
+            known = receipt.offset + kept
+            if not kept:
+                continue
+            judgement = judge_receipt(receipt, steps[:i + 1], states[hop.start][:, :known], states[hop.end][:, :known])
             if judgement.guilty:
-                result.convicted[hop.peer_id], result.wrong[hop.peer_id] = judgement, receipt
+                result.convicted[hop.peer_id], result.wrong[hop.peer_id] = judgement, (receipt, kept)
                 return True
         return True
 
@@ -252,10 +281,10 @@ class Canaries:
                 "peer %s signed a wrong result for layers %d:%d in a canary session (relative error %.2g, bar %.2g); "
                 "reporting it with the evidence", hop.peer_id, hop.start, hop.end, judgement.output_error, judgement.bar,
             )
-            wrong = result.wrong[hop.peer_id]
-            earlier = [(r.tokens, r.rows) for r in sorted(receipts, key=lambda r: r.step)
+            wrong, kept = result.wrong[hop.peer_id]
+            earlier = [(r.offset, r.tokens, r.rows) for r in sorted(receipts, key=lambda r: r.step)
                        if r.peer_id == hop.peer_id and r.session == wrong.session and r.step < wrong.step]
-            evidence = Evidence(tokens[:wrong.offset + wrong.tokens], certs[hop.peer_id], wrong, earlier)
+            evidence = Evidence(tokens[:wrong.offset + kept], certs[hop.peer_id], wrong, earlier)
             report = FaultReport(hop.peer_id, hop.start, hop.end, judgement.output_error, evidence, time.time())
             size = len(msgpack.packb(encode(report), use_bin_type=True))
             if size > MAX_FAULT_BYTES - 1024:
