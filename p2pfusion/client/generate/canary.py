@@ -73,7 +73,7 @@ class CanaryResult:
 
 
 class Canaries:
-    def __init__(self, core: ClientCore, speculates: Callable[[], bool] = lambda: False, seed: int | None = None):
+    def __init__(self, core: ClientCore, speculates: Callable[[], bool], seed: int | None = None):
         self.core = core
         self.speculates = speculates  # whether the client's generations send drafts: canaries do as they do
         self._rng = random.Random(seed)
@@ -245,9 +245,9 @@ class Canaries:
             result.avoided.add(hop.peer_id)
             return True
         for i, (receipt, kept) in enumerate(zip(receipts, counts)):
-            known = receipt.offset + kept
             if not kept:
                 continue
+            known = receipt.offset + kept
             judgement = judge_receipt(receipt, steps[:i + 1], states[hop.start][:, :known], states[hop.end][:, :known])
             if judgement.guilty:
                 result.convicted[hop.peer_id], result.wrong[hop.peer_id] = judgement, (receipt, kept)
