@@ -161,6 +161,8 @@ class Conversation:
                         out.append(token)
                         times.append(time.perf_counter() - started)
                     done = interrupted or (stop_at_eos and token in eos_ids) or len(input_ids) + len(out) >= total
+                    if done and not hold:  # the last token shows as the others did, before the check of the rest
+                        shown = self._show(out, shown, len(input_ids) + reserved, on_token, hold)
                     wrong = await self._check(done, hold)
                     if wrong is None:
                         shown = self._show(out, shown, len(input_ids) + reserved, on_token, hold)
