@@ -10,6 +10,8 @@ One replica poisons its pseudo-gradient at every outer step:
 - huge: 10,000 times its own;
 - flipped: its own, reversed;
 - shapes: tensors of other shapes;
+- two-faced: its own, scaled 2, 4 and 1 times for the three other replicas, each version sealed
+  by its key (different tensors to different members: unless left out, the honest replicas part);
 - undefended-huge: huge, with the replicas' robust mean replaced by a plain mean (what the outer
   step was before), to show what the defence holds off.
 Printed per run: held-out perplexity at the end, and its ratio to the clean run's (target: 1.05x
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import sys
 import tempfile
@@ -40,7 +43,7 @@ from p2pfusion.peer.runtime import Peer, PeerOptions
 from bench_machine import machine_header
 from bench_pretrain import HELD_OUT_MODULES, TRAIN_MODULES, batches, progress
 
-RUNS = ["clean", "huge", "flipped", "shapes", "undefended-huge"]
+RUNS = ["clean", "huge", "flipped", "shapes", "two-faced", "undefended-huge"]
 REPLICAS = 4
 LAYERS = 6
 LR = 1e-3
@@ -66,6 +69,17 @@ def poison(replica, kind: str) -> None:
         replica.pseudo_gradient = lambda: [-d for d in honest()]
     elif kind == "shapes":
         replica.pseudo_gradient = lambda: [d.reshape(-1)[1:] for d in honest()]
+
+
+def two_faced(averager) -> None:
+    honest = averager._send
+    sent = itertools.count(1)
+
+    async def send(peer, group_id, tensors, compression, seal):
+        scaled = [d * 2 ** (next(sent) % 3) for d in tensors]
+        await honest(peer, group_id, scaled, compression, averager.seal(group_id, scaled))
+
+    averager._send = send
 
 
 def plain_mean(vectors: list[torch.Tensor]) -> Aggregate:
@@ -107,7 +121,9 @@ def run_one(kind: str, source, data, held_out, sync_every: int) -> tuple[float, 
     try:
         peers, maddrs, refresher = loop.run(start_replicas(source, f"poison-{kind}"))
         try:
-            if kind != "clean":
+            if kind == "two-faced":
+                two_faced(peers[-1].training.averager)
+            elif kind != "clean":
                 poison(peers[-1].training.replica, kind)
             with SwarmTrainer.connect(str(source.folder), maddrs, run=f"poison-{kind}", lr=LR, sync_every=sync_every) as trainer:
                 with progress(len(data), kind) as bar:

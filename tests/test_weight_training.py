@@ -294,34 +294,38 @@ def test_an_averaging_round_with_a_dead_member_fails_cleanly_and_the_survivors_a
     asyncio.run(go())
 
 
+async def round_of_four(fourth: type[GroupAverager], tensors, group: bytes, timeout: float):
+    """One averaging round of three honest members and a fourth of class `fourth`, each on a node
+    of its own, with `tensors` (one list per member): the honest members' outcomes, and the
+    fourth's peer id."""
+    nodes = [await join_swarm([])]
+    nodes += [await join_swarm(await nodes[0].maddrs()) for _ in range(3)]
+    averagers = [GroupAverager(n.transport, "four") for n in nodes[:3]] + [fourth(nodes[3].transport, "four")]
+    try:
+        for averager in averagers:
+            await averager.start()
+        ids = [n.peer_id for n in nodes]
+        outcomes = await asyncio.gather(
+            *(a.average(group, ts, ids, timeout) for a, ts in zip(averagers, tensors)), return_exceptions=True
+        )
+        return outcomes[:3], ids[3]
+    finally:
+        for averager in averagers:
+            await averager.stop()
+        for node in nodes:
+            await node.shutdown()
+
+
 @pytest.mark.parametrize("poison", ["huge", "flipped", "shapes", "nan"])
 def test_one_bad_member_of_four_barely_moves_the_average(poison):
     """Three honest members and one that sends huge values, the honest direction reversed, tensors
     of other shapes, or NaN: every honest member gets the same result, near the honest mean."""
-
-    async def go():
-        nodes = [await join_swarm([])]
-        nodes += [await join_swarm(await nodes[0].maddrs()) for _ in range(3)]
-        averagers = [GroupAverager(n.transport, "robust") for n in nodes]
-        generator = torch.Generator().manual_seed(0)
-        honest = [[torch.randn(50_000, generator=generator) * 0.1 + 1.0, torch.randn(3, 5, generator=generator) * 0.1 + 1.0]
-                  for _ in range(3)]
-        bad = {"huge": [t * 1e6 for t in honest[0]], "flipped": [-3 * t for t in honest[0]],
-               "shapes": [torch.ones(7), torch.ones(2)], "nan": [t * float("nan") for t in honest[0]]}[poison]
-        try:
-            for averager in averagers:
-                await averager.start()
-            ids = [n.peer_id for n in nodes]
-            rounds = [a.average(b"poisoned", ts, ids, 5.0) for a, ts in zip(averagers, [*honest, bad])]
-            outcomes = await asyncio.gather(*rounds, return_exceptions=True)
-            return outcomes[:3], ids[3]
-        finally:
-            for averager in averagers:
-                await averager.stop()
-            for node in nodes:
-                await node.shutdown()
-
-    results, liar = asyncio.run(go())
+    generator = torch.Generator().manual_seed(0)
+    honest = [[torch.randn(50_000, generator=generator) * 0.1 + 1.0, torch.randn(3, 5, generator=generator) * 0.1 + 1.0]
+              for _ in range(3)]
+    bad = {"huge": [t * 1e6 for t in honest[0]], "flipped": [-3 * t for t in honest[0]],
+           "shapes": [torch.ones(7), torch.ones(2)], "nan": [t * float("nan") for t in honest[0]]}[poison]
+    results, liar = asyncio.run(round_of_four(GroupAverager, [*honest, bad], b"poisoned", 5.0))
     assert all(result.left_out == [liar] for result in results)  # every honest member names it
     results = [result.tensors for result in results]
     generator = torch.Generator().manual_seed(0)
@@ -335,6 +339,44 @@ def test_one_bad_member_of_four_barely_moves_the_average(poison):
         assert all(torch.equal(a, b) for a, b in zip(result, results[0]))  # every honest member alike
         error = float((torch.cat([t.reshape(-1) for t in result]) - mean).norm())
         assert error < spread, (error, spread)
+
+
+class TwoFaced(GroupAverager):
+    """A member that sends each other member its own version of its tensors, each sealed by its own
+    key (which it holds): honest-looking values a robust mean would keep."""
+
+    async def _send(self, peer, group_id, tensors, compression, seal):
+        self.versions = getattr(self, "versions", 0) + 1
+        tensors = [t * (1 + 0.01 * self.versions) for t in tensors]
+        await super()._send(peer, group_id, tensors, compression, self.seal(group_id, tensors))
+
+
+class Framer(GroupAverager):
+    """A member that echoes made-up digests for everyone else's seals, their signatures beside them."""
+
+    async def _echo(self, round_, group_id):
+        round_.seals = {p: (bytes(32), proof) for p, (_, proof) in round_.seals.items()}
+        await super()._echo(round_, group_id)
+
+
+class Missealed(GroupAverager):
+    """A member whose seal is over other tensors than those it sends."""
+
+    async def _send(self, peer, group_id, tensors, compression, seal):
+        await super()._send(peer, group_id, tensors, compression, self.seal(group_id, [t + 1 for t in tensors]))
+
+
+@pytest.mark.parametrize("liar", [TwoFaced, Framer, Missealed])
+def test_a_member_that_sends_members_different_tensors_is_left_out_and_an_echo_frames_nobody(liar):
+    """Three honest members and one that sends each a different version of its tensors (each
+    sealed), one that echoes forged seals of the others, or one whose seal is not of its tensors:
+    the honest members end alike, bit for bit, leaving out the two-faced and the missealed one,
+    and nobody for the forged echoes."""
+    generator = torch.Generator().manual_seed(1)
+    tensors = [[torch.randn(20_000, generator=generator) * 0.1 + 1.0] for _ in range(4)]
+    results, member = asyncio.run(round_of_four(liar, tensors, b"two-faced", 10.0))
+    assert all(result.left_out == ([] if liar is Framer else [member]) for result in results)
+    assert all(torch.equal(result.tensors[0], results[0].tensors[0]) for result in results)
 
 
 def test_an_honest_pseudo_gradient_reversed_is_left_out_though_no_further_than_the_others():

@@ -235,35 +235,40 @@ class PeerProofs:
 
     def __init__(self, identity: Identity):
         self._identity = identity
-        self._made: dict[str, bytes] = {}
+        self._made: dict[str, PeerProof] = {}
 
     def proof(self, peer_id: str) -> PeerProof:
         if peer_id not in self._made:
             if len(self._made) > 4096:
                 self._made.clear()
-            self._made[peer_id] = self._identity.private_key.sign(
-                PEER_HELLO_PREFIX + peer_id.encode(), padding.PKCS1v15(), hashes.SHA256()
-            )
-        return PeerProof(self._identity.public_key_proto, self._made[peer_id])
+            self._made[peer_id] = signed(self._identity, PEER_HELLO_PREFIX + peer_id.encode())
+        return self._made[peer_id]
+
+
+def signed(identity: Identity, message: bytes) -> PeerProof:
+    """`message` signed by `identity`'s key, beside the key: what `signer` checks."""
+    return PeerProof(identity.public_key_proto, identity.private_key.sign(message, padding.PKCS1v15(), hashes.SHA256()))
+
+
+def signer(proof: PeerProof, message: bytes, what: str) -> str:
+    """The peer id whose key signed `message` in `proof`; ProofError naming `what` when it did not."""
+    try:
+        proto = crypto_pb2.PublicKey.FromString(proof.key)
+        if proto.key_type != crypto_pb2.KeyType.RSA:
+            raise ProofError(f"{what}: the peer's key is not an RSA key")
+        public = serialization.load_der_public_key(proto.data)
+        if not isinstance(public, rsa.RSAPublicKey):
+            raise ProofError(f"{what}: the peer's key is not an RSA key")
+        public.verify(proof.sig, message, padding.PKCS1v15(), hashes.SHA256())
+    except (ValueError, TypeError, DecodeError, InvalidSignature) as exc:
+        raise ProofError(f"{what}: the peer's proof does not hold: {exc!r}") from None
+    return peer_id_of(proof.key)
 
 
 def peer_of(proof: PeerProof | None, peer_id: str) -> str | None:
     """The peer id a hello's `peer` entry proves, for a connection to `peer_id`; None without one.
     Raises ProofError for a false proof."""
-    if proof is None:
-        return None
-    key, sig = proof.key, proof.sig
-    try:
-        proto = crypto_pb2.PublicKey.FromString(key)
-        if proto.key_type != crypto_pb2.KeyType.RSA:
-            raise ProofError("hello: the peer's key is not an RSA key")
-        public = serialization.load_der_public_key(proto.data)
-        if not isinstance(public, rsa.RSAPublicKey):
-            raise ProofError("hello: the peer's key is not an RSA key")
-        public.verify(sig, PEER_HELLO_PREFIX + peer_id.encode(), padding.PKCS1v15(), hashes.SHA256())
-    except (ValueError, TypeError, DecodeError, InvalidSignature) as exc:
-        raise ProofError(f"hello: the peer's proof does not hold: {exc!r}") from None
-    return peer_id_of(key)
+    return None if proof is None else signer(proof, PEER_HELLO_PREFIX + peer_id.encode(), "hello")
 
 
 # The extension's value is DER: SEQUENCE { publicKey OCTET STRING, signature OCTET STRING }.
