@@ -7,7 +7,8 @@ attacker process starts the attack and says when it is under way; 3 s later the 
 greedy generation from a fresh client (join, route, prefill, decode) and compares its tokens with
 transformers'. Printed per attack: the user's wall time over the no-attack run's, whether the
 tokens are identical, and the peers' largest RSS growth. Attacks:
-- slowloris: TLS connections that send a valid hello and then nothing, as fast as it can;
+- slowloris: TLS connections from 127.0.0.2 that send a valid hello and then nothing, as fast as
+  it can (from the user's own address it would fill that address's cap, which is the user's too);
 - amplification: steps whose top-k frame declares [2**29] values in a 2 MiB body, on 2 streams;
 - prefill-flood: three clients looping [4, 2048, 576] prefills through the whole route;
 - session-flood: 60 sessions of 2,000 prefilled tokens each, left idle;
@@ -89,7 +90,9 @@ async def slowloris(maddrs, key, hidden):
         for record in records:
             host, port = split_addr(record.data_addrs[0])
             try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=context), 5)
+                _, writer = await asyncio.wait_for(
+                    asyncio.open_connection(host, port, ssl=context, local_addr=(ATTACKER_HOST, 0)), 5
+                )
                 writer.write(hello)
                 held.append(writer)
             except (OSError, TimeoutError):
