@@ -76,7 +76,8 @@ def two_faced(averager) -> None:
     sent = itertools.count(1)
 
     async def send(peer, group_id, tensors, compression, seal):
-        scaled = [d * 2 ** (next(sent) % 3) for d in tensors]
+        factor = 2 ** (next(sent) % 3)
+        scaled = [d * factor for d in tensors]
         await honest(peer, group_id, scaled, compression, averager.seal(group_id, scaled))
 
     averager._send = send

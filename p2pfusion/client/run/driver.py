@@ -351,7 +351,8 @@ class TrainingRun:
                 self._ready.pop(peer, None)
                 log.warning(
                     "training run %s: replica %s of layers %s sent a pseudo-gradient the others left out (not finite, "
-                    "misshapen, far from theirs or pointing away from them); leaving it out of the run for %.0f s",
+                    "misshapen, far from theirs, pointing away from them, or not the same to all); leaving it out "
+                    "of the run for %.0f s",
                     self.config.run, peer, layers, EVICT_SECONDS,
                 )
 
