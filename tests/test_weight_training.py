@@ -354,9 +354,9 @@ class TwoFaced(GroupAverager):
 class Framer(GroupAverager):
     """A member that echoes made-up digests for everyone else's seals, their signatures beside them."""
 
-    async def _echo(self, round_, group_id):
+    async def _echo(self, round_):
         round_.seals = {p: (bytes(32), proof) for p, (_, proof) in round_.seals.items()}
-        await super()._echo(round_, group_id)
+        await super()._echo(round_)
 
 
 class Missealed(GroupAverager):

@@ -234,7 +234,7 @@ class GroupAverager:
             async with asyncio.timeout(timeout):
                 await asyncio.gather(*(self._send(p, group_id, local, compression, seal) for p in round_.others))
                 await round_.complete.wait()
-            await self._echo(round_, group_id)
+            await self._echo(round_)
         except TimeoutError as exc:
             missing = [p for p in round_.others if p not in round_.received]
             raise AveragingFailed(f"averaging round failed: no tensors from {', '.join(missing) or '?'} ({exc!r})") from exc
@@ -259,9 +259,9 @@ class GroupAverager:
         values = digest(tensors)
         return values, signed(self.transport.identity, seal_message(self.namespace, group_id, values))
 
-    async def _echo(self, round_: _Round, group_id: bytes) -> None:
+    async def _echo(self, round_: _Round) -> None:
         """Show every other member the seals received here, and wait (ECHO_WAIT at most) for theirs."""
-        echo = AverageEcho(self.namespace, group_id, [Echoed(p, d, proof.sig) for p, (d, proof) in round_.seals.items()])
+        echo = AverageEcho(self.namespace, round_.group, [Echoed(p, d, proof.sig) for p, (d, proof) in round_.seals.items()])
         await asyncio.gather(*(self._send_echo(p, echo) for p in round_.others))
         try:
             await asyncio.wait_for(round_.echoed.wait(), ECHO_WAIT)
