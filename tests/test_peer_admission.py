@@ -96,30 +96,41 @@ def test_a_next_hop_is_dialled_only_where_its_record_says():
     assert dial_addrs([], [f"h:{p}" for p in range(6)]) == ["h:0", "h:1", "h:2"]  # at most MAX_DIALED
 
 
-def test_the_directory_looks_a_missing_peer_up_again_at_most_once_a_second():
+def test_the_directory_looks_a_missing_next_hop_up_again_at_most_once_a_second():
+    """A next hop missing from the last lookup may have announced since (the client saw its record
+    first): the directory waits for the next lookup allowed and finds it there, one lookup for
+    any number of misses at once."""
     now = [0.0]
     lookups = []
+    announced = [rec(0, 2, name="B", data_addrs=["b:1"]), rec(2, 4, name="C", state=PeerState.OFFLINE)]
 
     async def lookup():
         lookups.append(now[0])
-        return [rec(0, 2, name="B", data_addrs=["b:1"]), rec(2, 4, name="C", state=PeerState.OFFLINE)]
+        return list(announced)
+
+    async def sleep(seconds):
+        now[0] = max(now[0], called[0] + seconds)
+
+    called = [0.0]
 
     async def scenario():
-        directory = HopDirectory(lookup, clock=lambda: now[0])
+        directory = HopDirectory(lookup, clock=lambda: now[0], sleep=sleep)
         assert await directory("B") == ["b:1"]
-        assert await directory("C") is None  # offline: not dialled
+        assert await directory("C") is None  # offline: not dialled, and not looked up again
         assert await directory.serves("B") == (0, 2) and directory.listed("B") and not directory.listed("C")
-        results = await asyncio.gather(*(directory(f"X{i}") for i in range(50)))
-        now[0] = 1.5
-        assert await directory("Y") is None
+        assert lookups == [0.0]
+        misses = await asyncio.gather(*(directory(f"X{i}") for i in range(50)))
+        assert lookups == [0.0, 1.0]  # the 50 misses waited for one lookup, a second after the first
+        announced.append(rec(2, 4, name="N", data_addrs=["n:1"]))  # N announces after that lookup
+        now[0] = called[0] = 1.5
+        assert await directory("N") == ["n:1"]
+        assert lookups == [0.0, 1.0, 2.0]
+        now[0] = called[0] = 9.0
         assert await directory("B") == ["b:1"]
-        now[0] = 7.0
-        assert await directory("B") == ["b:1"]
-        return results
+        return misses
 
     assert asyncio.run(scenario()) == [None] * 50
-    assert lookups == [0.0, 1.5, 7.0]
-
+    assert lookups == [0.0, 1.0, 2.0, 9.0]
 
 
 def test_the_heap_is_trimmed_once_in_a_while_as_sessions_end():
