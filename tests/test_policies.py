@@ -12,7 +12,7 @@ from p2pfusion.client.route.planner import find_route, gaps_closing, longest_ses
 from p2pfusion.client.route.pieces import MIN_CHUNK_TOKENS, chunk_sizes
 from p2pfusion.client.route.watch import MIN_SUSPECT, SUSPECT_FACTOR, frozen_hop, suspect_after
 from p2pfusion.dht.records import PeerRecord, PeerState
-from p2pfusion.net.silence import MIN_GRACE, ask_all, given_up, grace
+from p2pfusion.net.silence import MIN_GRACE, SETTLED_GRACE, ask_all, ask_until_enough, deadline, grace
 from p2pfusion.errors import RequestError, RouteError
 from tests.policy_records import rec
 
@@ -184,10 +184,13 @@ def test_a_long_step_is_looked_into_after_many_usual_steps_and_a_silent_hop_is_b
 def test_a_silent_peer_is_given_up_after_its_grace_once_another_answered():
     assert grace(None, 3.0) == 3.0  # never heard from: its timeout
     assert grace(0.001, 3.0) == MIN_GRACE and grace(0.2, 3.0) == 2.0 and grace(1.0, 3.0) == 3.0
-    assert not given_up(1.5, 0.001, 3.0, another_answered=False)  # nobody answered: maybe our own network
-    assert given_up(1.5, 0.001, 3.0, another_answered=True)
-    assert not given_up(1.5, 0.2, 3.0, another_answered=True)  # a far peer: ten of its round trips
-    assert given_up(3.0, None, 3.0, another_answered=False)
+    assert deadline(0.001, 3.0, first=None) == 3.0  # nobody answered: maybe our own network
+    assert deadline(0.001, 3.0, first=0.01) == MIN_GRACE
+    assert deadline(0.2, 3.0, first=0.01) == 2.0  # a far peer: ten of its round trips
+    assert deadline(None, 3.0, first=0.01) == 3.0  # never heard from: the timeout...
+    assert deadline(None, 3.0, first=0.01, settled=0.5) == 0.5 + SETTLED_GRACE  # ...unless the caller has enough
+    assert deadline(None, 3.0, first=0.1, settled=0.5) == 0.8  # three times the first answer's time
+    assert deadline(0.001, 3.0, first=0.01, settled=0.5) == MIN_GRACE  # a known peer is judged as before
 
     async def answer(value, seconds):
         await asyncio.sleep(seconds)
@@ -211,3 +214,27 @@ def test_a_silent_peer_is_given_up_after_its_grace_once_another_answered():
     # ...unless told to judge it by the first answer's time
     results, seconds = asyncio.run(asked({"live": (True, 0.01), "new": (True, 60)}, {}, 3.0, True))
     assert results == {"live": True, "new": None} and MIN_GRACE <= seconds < 2.0
+
+
+def test_peers_never_heard_from_are_not_waited_for_once_the_caller_has_enough_and_their_calls_go_on():
+    async def answer(value, seconds):
+        await asyncio.sleep(seconds)
+        return value
+
+    async def scenario(enough):
+        loop = asyncio.get_running_loop()
+        calls = {"a": answer(True, 0.01), "b": answer(True, 0.05), "tarpit": answer(True, 1.0), "known": answer(True, 0.3)}
+        t0 = loop.time()
+        results, left = await ask_until_enough(calls, {"known": 0.01}, 3.0, bool, enough)
+        seconds = loop.time() - t0
+        late = {key: await task for key, task in left.items()}  # the caller owns them: they ran on
+        return results, set(left), late, seconds
+
+    # "a" alone is not enough, "a" and "b" are: the tarpit gets SETTLED_GRACE more, "known" its own grace
+    results, left, late, seconds = asyncio.run(scenario(lambda heard: {"a", "b"} <= heard))
+    assert results == {"a": True, "b": True, "tarpit": None, "known": True}
+    assert left == {"tarpit"} and late == {"tarpit": True}
+    assert 0.3 <= seconds < 0.05 + SETTLED_GRACE + 0.5  # "known" answered at 0.3 s, within its grace
+    # never enough: every answer is waited for, and nothing is left running
+    results, left, late, seconds = asyncio.run(scenario(lambda heard: False))
+    assert results == {"a": True, "b": True, "tarpit": True, "known": True} and left == set() and seconds >= 1.0

@@ -286,10 +286,12 @@ class Verifier:
             await self.blame.distrust.refresh()
             route = await self._checking_route(records, primary)
             reused = set() if route is None else {r.peer_id for r in route} & primary
-            self._warn_unchecked([] if route is None else unchecked_layers(route, primary))
             if route is None or len(reused) == len(route):
-                self._quiet_until = time.monotonic() + QUIET_SECONDS
+                if not self.access.reach.asking():  # else an answer may yet bring a second route
+                    self._warn_unchecked([] if route is None else unchecked_layers(route, primary))
+                    self._quiet_until = time.monotonic() + QUIET_SECONDS
                 return None
+            self._warn_unchecked(unchecked_layers(route, primary))
             self._shadow = await self.blame.open(route, self.session.length)
             self._shadow_reused, self._shadow_length = reused, 0
         inputs, positions = self._inputs(self._shadow_length, end)
@@ -301,9 +303,10 @@ class Verifier:
     async def _checking_route(self, records: list[PeerRecord], primary: set[str]) -> list[PeerRecord] | None:
         """The checking route among peers that answer a ping: records that claim anything and never
         answer cost a ping each, not a check (unscreened, the fastest claims would win every
-        check, and each would fail only after its timeout)."""
+        check, and each would fail only after its timeout). Peers whose pings the session's own
+        route search left running are left out too: a check waits for no stranger's answer."""
         access = self.access
-        avoid, deadline = self.blame.avoided(records), time.monotonic() + SCREEN_BUDGET
+        avoid, deadline = self.blame.avoided(records) | access.reach.asking(), time.monotonic() + SCREEN_BUDGET
         while True:
             route = alternative_route(
                 records, access.num_layers, primary, avoid, access.health.observed, self.session.length,

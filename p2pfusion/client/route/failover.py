@@ -158,12 +158,33 @@ class ResilientSession:
                       if r.peer_id not in named and not reach.fresh(r.peer_id) and r.start >= self.first]
             others.sort(key=lambda r: -expected_throughput(r, observed) * r.span)  # the likeliest next choices
             asked = unpinged + others[:SCREEN_CONCURRENCY - len(unpinged)]
-            silent = await reach.screen(access.swarm.transport, asked, reference=reach.quickest(records, avoid))
+            silent, unheard = await reach.screen_for_route(
+                access.swarm.transport, asked, lambda heard: self._routable(records, avoid, heard, backups),
+                self._silent, reach.quickest(records, avoid),
+            )
             for peer_id in silent:
                 access.health.failed(peer_id, self._since(peer_id))
             if silent:
                 log.warning("%d peers did not answer a ping; avoiding them", len(silent))
-            avoid |= silent
+            if unheard:
+                log.info("%d peers did not answer a ping at once; routing without them this time", len(unheard))
+            avoid |= silent | unheard
+
+    def _routable(self, records: list[PeerRecord], avoid: set[str], heard: set[str], backups: bool) -> bool:
+        """Whether the peers that answered a ping (lately, or just now) make a route by themselves."""
+        reach = self.access.reach
+        answered = [r for r in records if r.peer_id not in avoid and (r.peer_id in heard or reach.fresh(r.peer_id))]
+        try:
+            find_route(answered, self.access.num_layers, backups=backups, length=self.length, batch=self.batch,
+                       first=self.first)
+        except RouteError:
+            return False
+        return True
+
+    def _silent(self, peer_id: str) -> None:
+        """A peer the route's search stopped waiting for did not answer its ping either."""
+        ban = self.access.health.failed(peer_id, self._since(peer_id))
+        log.warning("peer %s did not answer a ping; avoiding it for %.0f s", peer_id, ban)
 
     async def update_params(self, params: SessionParams | None) -> None:
         """Give the current route new parameter values (nothing is sent when they did not change)."""

@@ -3,7 +3,9 @@
 Records are written by strangers: one can name addresses that accept connections and never
 answer (a tarpit), and a session opened there would wait out its whole timeout. So before a
 route is opened, its peers are pinged, many at once with a short timeout each, and those that do
-not answer are banned; answers are kept a minute. The same ping checks what one peer says about
+not answer are banned; answers are kept a minute. A route's search stops waiting for peers never
+heard from once the peers that answered make a route (net/silence.py); their pings go on, and
+their answers, or silence, count when they come. The same ping checks what one peer says about
 another (that it failed, or is leaving) before the client believes it.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -19,7 +22,7 @@ from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerUnreachable, RequestError
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import FrameLimits, read_frame, write_frame
-from p2pfusion.net.silence import ask_all
+from p2pfusion.net.silence import ask_all, ask_until_enough
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -34,6 +37,10 @@ class Answer(str, Enum):
     SERVING = "serving"
     LEAVING = "leaving"
     SILENT = "silent"  # no answer in time, a failed dial, or no answer a peer would give
+
+
+def _answered(answer: tuple[Answer, float]) -> bool:
+    return answer[0] != Answer.SILENT
 
 
 async def ping(transport: Transport, peer_id: str, data_addrs: list[str], timeout: float = PING_TIMEOUT) -> tuple[Answer, float]:
@@ -75,6 +82,7 @@ class ReachBook:
 
     answered: dict[str, float] = field(default_factory=dict)  # peer id -> when it last answered
     rtts: dict[str, float] = field(default_factory=dict)  # peer id -> its ping's round trip
+    _asking: dict[str, asyncio.Task] = field(default_factory=dict, repr=False)  # pings a route's search left running
 
     def fresh(self, peer_id: str, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -91,17 +99,57 @@ class ReachBook:
         asked = records + ([reference] if reference is not None and reference.peer_id not in named else [])
         silent = set()
         for first in range(0, len(asked), SCREEN_CONCURRENCY):
-            calls = {r.peer_id: ping(transport, r.peer_id, r.data_addrs, timeout) for r in asked[first:first + SCREEN_CONCURRENCY]}
-            answers = await ask_all(calls, self.rtts, timeout, lambda a: a[0] != Answer.SILENT)
-            for peer_id, answer in answers.items():
-                if answer is not None and answer[0] == Answer.SERVING:
-                    self.answered[peer_id] = time.monotonic()
-                    self.rtts[peer_id] = answer[1]
-                else:
-                    self.answered.pop(peer_id, None)
-                    silent.add(peer_id)
+            calls = self._calls(transport, asked[first:first + SCREEN_CONCURRENCY], timeout)
+            silent |= self._learn(await ask_all(calls, self.rtts, timeout, _answered))
         self._forget_stale()
         return silent & named
+
+    async def screen_for_route(
+        self, transport: Transport, records: list[PeerRecord], enough: Callable[[set[str]], bool],
+        silent_later: Callable[[str], None], reference: PeerRecord | None = None,
+    ) -> tuple[set[str], set[str]]:
+        """Ping up to SCREEN_CONCURRENCY of these peers as `screen` does, but stop waiting for those
+        never heard from once `enough(the peers that answered)` holds. Returns the silent peers,
+        and those not waited for: their pings go on, an answer is kept as any other, and
+        `silent_later(peer_id)` is called for each that then does not answer."""
+        named = {r.peer_id for r in records}
+        asked = ([reference] if reference is not None and reference.peer_id not in named else []) + records
+        calls = self._calls(transport, asked[:SCREEN_CONCURRENCY], PING_TIMEOUT)
+        answers, left = await ask_until_enough(calls, self.rtts, PING_TIMEOUT, _answered, enough)
+        silent = self._learn({k: v for k, v in answers.items() if k not in left})
+        for peer_id, task in left.items():
+            self._asking[peer_id] = task
+            task.add_done_callback(lambda done, peer_id=peer_id: self._late(peer_id, done, silent_later))
+        self._forget_stale()
+        return silent & named, set(left) & named
+
+    @staticmethod
+    def _calls(transport: Transport, records: list[PeerRecord], timeout: float) -> dict:
+        return {r.peer_id: ping(transport, r.peer_id, r.data_addrs, timeout) for r in records}
+
+    def _learn(self, answers: dict) -> set[str]:
+        """Keep the serving peers' answers; returns the others."""
+        silent = set()
+        for peer_id, answer in answers.items():
+            if answer is not None and answer[0] == Answer.SERVING:
+                self.answered[peer_id] = time.monotonic()
+                self.rtts[peer_id] = answer[1]
+            else:
+                self.answered.pop(peer_id, None)
+                silent.add(peer_id)
+        return silent
+
+    def asking(self) -> set[str]:
+        """Peers whose pings a route's search left running: not heard from yet, not judged yet."""
+        return set(self._asking)
+
+    def _late(self, peer_id: str, done: asyncio.Task, silent_later: Callable[[str], None]) -> None:
+        if self._asking.get(peer_id) is done:
+            del self._asking[peer_id]
+        if done.cancelled():
+            return
+        if self._learn({peer_id: done.result()}):
+            silent_later(peer_id)
 
     def quickest(self, records: list[PeerRecord], exclude: set[str]) -> PeerRecord | None:
         """The quickest peer among `records` that answered lately, outside `exclude`: pinged beside
