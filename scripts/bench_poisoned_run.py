@@ -12,6 +12,9 @@ One replica poisons its pseudo-gradient at every outer step:
 - shapes: tensors of other shapes;
 - two-faced: its own, scaled 2, 4 and 1 times for the three other replicas, each version sealed
   by its key (different tensors to different members: unless left out, the honest replicas part);
+- late-two-faced: its own to two replicas, and twice its own to the third only after the others
+  stopped waiting for that one's echo (`averaging.ECHO_WAIT`): only the third sees both seals, so
+  the round leaves the honest replicas with different weights unless the driver mends it;
 - undefended-huge: huge, with the replicas' robust mean replaced by a plain mean (what the outer
   step was before), to show what the defence holds off.
 Printed per run: held-out perplexity at the end, and its ratio to the clean run's (target: 1.05x
@@ -43,7 +46,7 @@ from p2pfusion.peer.runtime import Peer, PeerOptions
 from bench_machine import machine_header
 from bench_pretrain import HELD_OUT_MODULES, TRAIN_MODULES, batches, progress
 
-RUNS = ["clean", "huge", "flipped", "shapes", "two-faced", "undefended-huge"]
+RUNS = ["clean", "huge", "flipped", "shapes", "two-faced", "late-two-faced", "undefended-huge"]
 REPLICAS = 4
 LAYERS = 6
 LR = 1e-3
@@ -79,6 +82,22 @@ def two_faced(averager) -> None:
         factor = 2 ** (next(sent) % 3)
         scaled = [d * factor for d in tensors]
         await honest(peer, group_id, scaled, compression, averager.seal(group_id, scaled))
+
+    averager._send = send
+
+
+def late_two_faced(averager, victim: str) -> None:
+    honest = averager._send
+
+    async def send(peer, group_id, tensors, compression, seal):
+        if peer == victim:  # once the others hold every tensor but the victim's, and stopped waiting
+            round_ = averager._rounds[group_id]
+            while not set(round_.others) - {victim} <= set(round_.echoes):
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(averaging.ECHO_WAIT + 1.0)
+            tensors = [d * 2 for d in tensors]
+            seal = averager.seal(group_id, tensors)
+        await honest(peer, group_id, tensors, compression, seal)
 
     averager._send = send
 
@@ -124,6 +143,8 @@ def run_one(kind: str, source, data, held_out, sync_every: int) -> tuple[float, 
         try:
             if kind == "two-faced":
                 two_faced(peers[-1].training.averager)
+            elif kind == "late-two-faced":
+                late_two_faced(peers[-1].training.averager, peers[0].swarm.peer_id)
             elif kind != "clean":
                 poison(peers[-1].training.replica, kind)
             with SwarmTrainer.connect(str(source.folder), maddrs, run=f"poison-{kind}", lr=LR, sync_every=sync_every) as trainer:

@@ -14,7 +14,10 @@ For the first seed it also times the `/v1/swarm` view of the swarm (client/surve
 With --churn-hours, each settled swarm then lives through that many simulated hours of crashes and
 arrivals (p2pfusion/sim/churn.py): its flow against the live fleet's LP bound every 10 minutes,
 and every stretch in which a layer went unserved.
-Usage: python scripts/sim_fleet.py --peers 100 --seeds 30 [--models llama-70b-int8,llama-70b-int4] [--churn-hours 2]
+Each seed's figures go to stderr as it ends (a seed of 1,000 peers takes minutes), beside a
+progress bar; --first-seed starts the seeds further on, to add seeds to an earlier run's.
+Usage: python scripts/sim_fleet.py --peers 100 --seeds 30 [--first-seed 0] [--models llama-70b-int8,llama-70b-int4]
+       [--churn-hours 2]
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+
+from tqdm import tqdm
 
 from p2pfusion.client.survey import ModelView
 from p2pfusion.dht.records import ModelEntry
@@ -48,14 +53,14 @@ class Seed:
     gaps: list[float] = field(default_factory=list)  # seconds some layer went unserved, each time
 
 
-def one_seed(peers: int, model, seed: int, exact_up_to: int, churn_hours: float) -> Seed:
+def one_seed(peers: int, model, seed: int, exact_up_to: int, churn_hours: float, time_view: bool = False) -> Seed:
     rng = random.Random(seed)
     fleet = draw_fleet(peers, model, rng)
     swarm = built(fleet, model, rng)
     joined = swarm_flow(swarm.records.values(), model.layers)
     swarm.settle()
     settled = swarm_flow(swarm.records.values(), model.layers)
-    if seed == 0:
+    if time_view:
         view_time(list(swarm.records.values()), model)
     best = best_placement([v.capacity for v in fleet], model.layers, relax=peers > exact_up_to)
     reference = best.found if best.exact else best.bound
@@ -97,6 +102,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=30)
+    parser.add_argument("--first-seed", type=int, default=0, help="the first seed's number")
     parser.add_argument("--models", default="llama-70b-int8,llama-70b-int4")
     parser.add_argument("--churn-hours", type=float, default=0.0, help="then volunteers come and go this long")
     parser.add_argument("--exact-up-to", type=int, default=20, help="largest fleet solved as an integer program")
@@ -105,7 +111,14 @@ def main() -> None:
     for name in args.models.split(","):
         model = MODELS[name]
         t0 = time.perf_counter()
-        results = [one_seed(args.peers, model, seed, args.exact_up_to, args.churn_hours) for seed in range(args.seeds)]
+        results = []
+        seeds = range(args.first_seed, args.first_seed + args.seeds)
+        with tqdm(seeds, desc=name, unit="seed", file=sys.stderr) as bar:
+            for seed in bar:
+                started = time.perf_counter()
+                results.append(one_seed(args.peers, model, seed, args.exact_up_to, args.churn_hours, seed == args.first_seed))
+                bar.write(f"{name} seed {seed}: after joins {results[-1].joined:.3f}, after rebalancing "
+                          f"{results[-1].settled:.3f} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
         joined = [r.joined for r in results]
         settled = [r.settled for r in results]
         settled_all += settled

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from p2pfusion.client.run.replicas import chains, served, split_rows, stages
+from p2pfusion.client.run.replicas import astray, chains, served, split_rows, stages
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.run.trainer import SwarmTrainer
 from p2pfusion.dht.records import PeerState, RunCharter
@@ -21,10 +21,12 @@ from p2pfusion.errors import PeerRefused, RequestError, RouteError
 from p2pfusion.models.formats import layer_shapes
 from p2pfusion.models.source import resolve_model
 from p2pfusion.net import run_messages as t
+from p2pfusion.net import averaging
 from p2pfusion.net.averaging import AveragingFailed, GroupAverager
 from p2pfusion.net.compression import Codec, Purpose
 from p2pfusion.net.robust import _median, _opposed, robust_mean
 from p2pfusion.net.run_calls import call, fetch_state
+from p2pfusion.net.seals import convicted, digest
 from p2pfusion.peer.balance import misfit, training_stage
 from p2pfusion.peer.replica import OuterHyper
 from p2pfusion.peer.run_owner import agreed, refusal
@@ -227,6 +229,34 @@ def test_only_the_runs_driver_steers_its_replicas(tiny_models, tmp_path):
             assert trainer.step(BATCHES[1]) > 0 and replica.step == 2
 
 
+def test_a_replica_whose_outer_step_went_otherwise_copies_the_weights_most_replicas_hold(tiny_models):
+    """However an averaging round went otherwise for one replica (a member's tensors reached it late,
+    past the others' wait for its echo; a retry among fewer members), the replicas of a stage must
+    go on from the same outer weights: the driver sees the digests differ and the odd one copies
+    the majority's weights before its next step."""
+    source = tiny_models["llama"]
+    with peers_in_background(source, [(0, 2), (0, 2), (0, 2), (2, 4)], train="astray") as (peers, maddrs, loop):
+        replicas = [p.training.replica for p in peers[:3]]
+        odd = replicas[2]
+        honest = odd.outer_step
+        odd.outer_step = lambda averaged, hyper: honest([a * 1.5 for a in averaged], hyper)  # another mean
+        same = BATCHES[0][:1].repeat(3, 1)  # one row each, the same: no member's mean is left out
+        with SwarmTrainer.connect(str(source.folder), maddrs, run="astray", sync_every=100, lr=LR) as trainer:
+            trainer.step(same)
+            trainer.outer_step()
+            assert odd.digest != replicas[0].digest == replicas[1].digest
+            trainer.step(same)  # it is told to copy, and is left out of this step meanwhile
+            deadline = time.monotonic() + 30
+            while odd.digest != replicas[0].digest and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert all(torch.equal(a, b) for a, b in zip(odd.outer, replicas[0].outer))
+            odd.outer_step = honest
+            trainer.step(same)
+            assert odd.step == replicas[0].step  # back in the run's steps
+            trainer.outer_step()
+            assert odd.digest == replicas[0].digest == replicas[1].digest
+
+
 def test_micro_batches_spread_over_replicas_and_stages_must_tile():
     a, b = rec(0, 2, name="a"), rec(0, 2, name="b")
     c = rec(2, 4, name="c")
@@ -241,6 +271,12 @@ def test_micro_batches_spread_over_replicas_and_stages_must_tile():
         stages([a, b], 4)
     with pytest.raises(RouteError, match="overlap"):
         stages([a, rec(1, 4, name="d")], 4)
+    # after an outer step: the weights more than half the replicas hold, and who copies them
+    x, y = b"x" * 32, b"y" * 32
+    assert astray({"a": x, "b": x, "c": y}) == (x, ["c"])
+    assert astray({"a": x, "b": y}) == (None, [])  # no majority: nobody copies anybody
+    assert astray({"a": x, "b": x, "c": b""}) == (x, [])  # a replica that does not say is no vote
+    assert astray({}) == (None, [])
 
 
 def test_a_joining_replica_fills_a_gap_then_the_thinnest_stage():
@@ -377,6 +413,46 @@ def test_a_member_that_sends_members_different_tensors_is_left_out_and_an_echo_f
     results, member = asyncio.run(round_of_four(liar, tensors, b"two-faced", 10.0))
     assert all(result.left_out == ([] if liar is Framer else [member]) for result in results)
     assert all(torch.equal(result.tensors[0], results[0].tensors[0]) for result in results)
+
+
+class LateTwoFaced(GroupAverager):
+    """A two-faced member that sends its other version to one member only after the others have
+    stopped waiting for that member's echo: they never see the second seal."""
+
+    async def _send(self, peer, group_id, tensors, compression, seal):
+        victim = max(p for p in self._late_group if p != self.transport.peer_id)
+        if peer == victim:  # once the others hold all tensors, and have stopped waiting for echoes
+            round_ = self._rounds[group_id]
+            while not set(round_.others) - {victim} <= set(round_.echoes):
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(averaging.ECHO_WAIT + 0.5)
+            tensors = [t * 1.01 for t in tensors]
+            seal = self.seal(group_id, tensors)
+        await super()._send(peer, group_id, tensors, compression, seal)
+
+    async def average(self, group_id, tensors, peers, timeout, compression="none"):
+        self._late_group = list(peers)
+        return await super().average(group_id, tensors, peers, timeout, compression)
+
+
+def test_a_member_two_faced_past_the_echo_wait_splits_the_round_and_is_proven_to_the_driver(monkeypatch):
+    """The one member that got the late version sees both seals and leaves the liar out; the two that
+    stopped waiting keep its first version. The late member's proof convicts the liar for anyone
+    who knows the round, and without the liar's vote the two that agree are the majority the late
+    one copies (the driver's `astray`)."""
+    monkeypatch.setattr(averaging, "ECHO_WAIT", 0.5)
+    generator = torch.Generator().manual_seed(2)
+    tensors = [[torch.randn(20_000, generator=generator) * 0.1 + 1.0] for _ in range(4)]
+    results, liar = asyncio.run(round_of_four(LateTwoFaced, tensors, b"late", 10.0))
+    proven = [r for r in results if r.two_faced]
+    early = [r for r in results if not r.two_faced]
+    assert len(proven) == 1 and proven[0].left_out == [liar] and all(r.left_out == [] for r in early)
+    assert convicted(proven[0].two_faced, "four", b"late") == {liar}
+    assert convicted(proven[0].two_faced, "four", b"another round") == set()  # a proof holds for its round only
+    assert torch.equal(early[0].tensors[0], early[1].tensors[0])
+    assert not torch.equal(early[0].tensors[0], proven[0].tensors[0])
+    digests = {f"early{i}": digest(r.tensors) for i, r in enumerate(early)} | {"late": digest(proven[0].tensors)}
+    assert astray(digests) == (digest(early[0].tensors), ["late"])
 
 
 def test_an_honest_pseudo_gradient_reversed_is_left_out_though_no_further_than_the_others():

@@ -21,18 +21,20 @@ every other's tensors it echoes the seals it received to all of them. A member t
 digests in one round is left out by every member that sees both, which is every member whose
 echoes came: two who got different tensors from it each show the other the proof. An echo cannot
 frame an honest member (it would need that member's signature), and a seal that does not hold, or
-does not match the tensors beside it, makes those tensors unusable, as malformed ones are. (The
-next joiner copies the state most replicas hold, peer/run_owner.py `agreed`.)
+does not match the tensors beside it, makes those tensors unusable, as malformed ones are
+(net/seals.py). Echoes are waited for ECHO_WAIT at most: a member that sends one member its
+other version only after the others stopped waiting parts them, and the one that sees both
+seals returns the proof (`Averaged.two_faced`) for the run's driver, which convicts it and has
+the parted replica copy the weights the others hold (client/run/driver.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
 import torch
@@ -44,8 +46,9 @@ from p2pfusion.net.clients import Source
 from p2pfusion.net.codecs import pack, unpack
 from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import FrameError, FrameLimits, read_frame, write_frame
-from p2pfusion.net.identity import PeerProof, ProofError, signed, signer
+from p2pfusion.net.identity import PeerProof, ProofError, signed
 from p2pfusion.net.robust import robust_mean
+from p2pfusion.net.seals import MAX_PROOFS, Echoed, TwoSeals, digest, equivocators, seal_message, sealer
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
@@ -60,7 +63,6 @@ MAX_TENSORS = 4096  # parameters of one stage
 MAX_MEMBERS = 64
 ENDED_KEPT = 256  # rounds this peer remembers having ended, to refuse their late frames at once
 LIMITS = FrameLimits(header=65536, tensor_kinds=frozenset({"average_part"}))
-SEAL_PREFIX = b"p2pfusion averaging seal "
 
 
 class AveragingFailed(RequestError):
@@ -88,13 +90,6 @@ class AverageSeal:
 
 
 @dataclass(frozen=True)
-class Echoed:
-    member: m.Id
-    digest: Annotated[bytes, wire.Length(32, 32)]
-    sig: Annotated[bytes, wire.Length(wire.MAX_PEER_SIG_BYTES)]
-
-
-@dataclass(frozen=True)
 class AverageEcho:
     """The seals a member received in a round, for every other member to compare with its own."""
 
@@ -107,42 +102,11 @@ class AverageEcho:
 PARTS = {kind.kind: kind for kind in (AveragePart, AverageSeal, AverageEcho)}
 
 
-def digest(tensors: Sequence[torch.Tensor]) -> bytes:
-    """What a seal signs: the tensors' float32 values, in order."""
-    hashed = hashlib.sha256()
-    for tensor in tensors:
-        hashed.update(tensor.float().contiguous().numpy().data)
-    return hashed.digest()
-
-
-def seal_message(namespace: str, group: bytes, values: bytes) -> bytes:
-    return SEAL_PREFIX + namespace.encode() + b"\0" + group + values
-
-
-def equivocators(
-    seals: dict[str, tuple[bytes, PeerProof]], echoes: dict[str, list[Echoed]], namespace: str, group: bytes
-) -> set[str]:
-    """The members that sealed another digest for an echoing member than for this one, with a
-    signature that holds (`seals`: what each member sealed here; `echoes`: what each echoing
-    member says it got). Echoed seals that do not hold prove nothing about anyone."""
-    found = set()
-    for echoer, echoed in echoes.items():
-        for seal in echoed:
-            own = seals.get(seal.member)
-            if own is None or seal.member == echoer or seal.digest == own[0]:
-                continue
-            try:
-                if signer(PeerProof(own[1].key, seal.sig), seal_message(namespace, group, seal.digest), "seal") == seal.member:
-                    found.add(seal.member)
-            except ProofError:
-                log.warning("averaging: %s echoed a seal of %s that does not hold", echoer, seal.member)
-    return found
-
-
 @dataclass(frozen=True)
 class Averaged:
     tensors: list[torch.Tensor]
     left_out: list[str]  # members whose tensors the mean did not use
+    two_faced: list[TwoSeals] = field(default_factory=list)  # proof against those who sealed two digests
 
 
 class _Round:
@@ -247,12 +211,13 @@ class GroupAverager:
         left_out = sorted(set(members) - set(usable)) + [usable[i] for i in aggregate.left_out]
         if two_faced:
             log.warning("averaging: left out %s, who sent different tensors to different members", ", ".join(sorted(two_faced)))
-        if set(left_out) - two_faced:
+        if set(left_out) - set(two_faced):
             log.warning("averaging: left out %s (tensors malformed, not finite, far larger than the others' or "
                         "pointing away from them)",
                         ", ".join(p for p in left_out if p not in two_faced))
         parts = aggregate.value.split([t.numel() for t in local])
-        return Averaged([part.view_as(t).clone() for part, t in zip(parts, local)], left_out)
+        proofs = [two_faced[p] for p in sorted(two_faced)][:MAX_PROOFS]
+        return Averaged([part.view_as(t).clone() for part, t in zip(parts, local)], left_out, proofs)
 
     def seal(self, group_id: bytes, tensors: Sequence[torch.Tensor]) -> tuple[bytes, PeerProof]:
         """This peer's seal over `tensors` for a round: their digest, and its signature."""
@@ -349,10 +314,10 @@ class GroupAverager:
                 if len(tensors) != len(round_.shapes):
                     raise RequestError("a seal before the last of the tensors")
                 try:
-                    sealer = signer(part.proof, seal_message(self.namespace, round_.group, part.digest), "seal")
+                    sealed_by = sealer(part.proof, self.namespace, round_.group, part.digest)
                 except ProofError as exc:
                     raise RequestError(str(exc)) from None
-                if sealer != sender or part.digest != await asyncio.to_thread(digest, tensors):
+                if sealed_by != sender or part.digest != await asyncio.to_thread(digest, tensors):
                     raise RequestError("the tensors' seal is not the sender's, or not of these tensors")
                 round_.deliver(sender, tensors, (part.digest, part.proof))
                 return

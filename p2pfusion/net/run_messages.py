@@ -7,21 +7,25 @@ Each request goes on a fresh stream and gets its answers there:
   are then untouched).
 - `DiscardStep`: drop the gradients gathered for the step (the driver redoes it elsewhere).
 - `OuterStep`: average the pseudo-gradient with the group named and take the outer step. `OuterDone`
-  (naming the members the robust mean left out) once done, or an `Error` (the weights are then untouched, and the driver may retry the round
-  with the members that answer).
+  once done (the members the robust mean left out, proof against those that sealed two digests,
+  and the digest of the replica's outer weights after the step), or an `Error` (the weights are
+  then untouched, and the driver may retry the round with the members that answer).
 - `FetchState`: the replica's state, as `StatePart` frames (one tensor each) and a `StateEnd`.
 - `Status`: a `StateEnd` alone: where the replica is. One behind the driver's round catches up
-  by copying the state of a replica that is not.
+  by copying the state of a replica that is not; one at it whose outer weights are not those
+  most replicas hold (the request's `digest`) copies theirs.
 The micro-batches themselves travel as training sessions of the inference protocol (net/messages.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
 
 from p2pfusion.errors import RequestError
 from p2pfusion.net import messages as m
+from p2pfusion.net.seals import MAX_PROOFS, TwoSeals
 from p2pfusion.net.wire import Bound, Check, Length
 
 PROTOCOL = "p2pfusion.train.v1"
@@ -29,6 +33,17 @@ MAX_GROUP = 64  # replicas of one stage that average together
 MAX_RUN_NAME = 64
 MAX_NUMBER = 1 << 53  # counts past it are no count a replica could hold
 STATE_KINDS = ("outer", "momentum", "exp_avg", "exp_avg_sq")
+
+
+def averaging_namespace(model: str, run: str) -> str:
+    """What a run's averaging rounds are sealed under: two runs on one host never mix their rounds."""
+    return f"{model}.{run}"
+
+
+def group_id(model: str, run: str, start: int, end: int, round_: int, attempt: int, group: list[str]) -> bytes:
+    """One averaging round of a stage: the driver and every member name it alike."""
+    text = f"{model}|{run}|{start}:{end}|{round_}|{attempt}|{','.join(sorted(group))}"
+    return hashlib.sha256(text.encode()).digest()[:16]
 
 
 def is_run_name(name: str) -> bool:
@@ -90,6 +105,8 @@ class OuterDone:
 
     kind: ClassVar[str] = "outer_done"
     left_out: Annotated[list[m.Id], Length(MAX_GROUP)]
+    digest: Annotated[bytes, Length(32)] = b""  # sha256 of its outer weights after the step
+    two_faced: Annotated[list[TwoSeals], Length(MAX_PROOFS)] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -107,6 +124,9 @@ class Status:
     kind: ClassVar[str] = "status"
     run: RunName
     round: Count = 0  # the driver's: a replica behind it fetches the current state from another replica
+    # the outer weights' digest most of the stage's replicas took the driver's last outer step to:
+    # a replica at `round` holding others copies theirs (an averaging round it saw otherwise)
+    digest: Annotated[bytes, Length(32)] = b""
 
 
 @dataclass(frozen=True)

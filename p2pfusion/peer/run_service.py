@@ -8,7 +8,6 @@ A request that cannot be honoured is one `Error` line, and changes nothing.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 
@@ -18,7 +17,7 @@ from p2pfusion.errors import ModelError, PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
 from p2pfusion.net import messages as m
 from p2pfusion.net import run_messages as t
-from p2pfusion.net.averaging import GroupAverager
+from p2pfusion.net.averaging import Averaged, GroupAverager
 from p2pfusion.net.clients import Source
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.framing import FrameError, FrameLimits, read_frame
@@ -35,11 +34,6 @@ REQUEST_LIMITS = FrameLimits(header=64 << 10, tensor_kinds=frozenset())
 OPTIMIZER = "training-driver"  # the scheduler's source for optimizer work
 
 
-def group_id(model: str, run: str, start: int, end: int, round_: int, attempt: int, group: list[str]) -> bytes:
-    text = f"{model}|{run}|{start}:{end}|{round_}|{attempt}|{','.join(sorted(group))}"
-    return hashlib.sha256(text.encode()).digest()[:16]
-
-
 class ReplicaService:
     def __init__(self, replica: Replica, model: str, swarm: SwarmNode, scheduler: Scheduler, driver: str | None = None):
         self.replica = replica
@@ -48,7 +42,7 @@ class ReplicaService:
         self.transport = swarm.transport
         self.scheduler = scheduler
         self.charters = Charters(swarm, model, replica.run, driver)  # whom it obeys (peer/run_owner.py)
-        self.averager = GroupAverager(self.transport, f"{model}.{replica.run}")
+        self.averager = GroupAverager(self.transport, t.averaging_namespace(model, replica.run))
         self._catching_up: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -61,9 +55,10 @@ class ReplicaService:
         if self._catching_up is not None:
             self._catching_up.cancel()
 
-    async def catch_up(self, wanted: int = 0) -> bool:
+    async def catch_up(self, wanted: int = 0, digest: bytes = b"") -> bool:
         """Copy the state that most of the stage's other replicas the run lists agree on (by digest),
-        if it is ahead of this one (or at `wanted` or later); False when no other replica answers."""
+        if it is ahead of this one (or at `wanted` or later), or the state whose outer weights have
+        `digest`, when given; False when no other replica answers."""
         stage, run = self.replica.stage, self.replica.run
         charter = await self.charters.current()
         records = [
@@ -79,6 +74,8 @@ class ReplicaService:
                 log.info("replica %s of layers %d:%d did not answer: %s", record.peer_id, stage.start, stage.end, exc)
         request = t.FetchState(run, self.model, stage.start, stage.end)
         for where, record in agreed(answers, max(wanted, self.replica.round)):
+            if digest and where.digest != digest:
+                continue
             try:
                 parts, end = await fetch_state(self.transport, record.peer_id, record.data_addrs, request, self.replica.shapes())
                 if any(set(part) != set(self.replica.names) for part in parts.values()):
@@ -138,13 +135,20 @@ class ReplicaService:
         await write(writer, t.to_header(m.Ack()))
 
     async def _outer(self, request: t.OuterStep, writer) -> None:
-        left_out = await self._outer_step(request)
-        await write(writer, t.to_header(t.OuterDone(left_out)))
+        averaged = await self._outer_step(request)
+        await write(writer, t.to_header(t.OuterDone(averaged.left_out, self.replica.digest, averaged.two_faced)))
 
     async def _status(self, request: t.Status, writer) -> None:
-        """Where this replica is; one behind the driver's round starts catching up."""
-        if request.round > self.replica.round and (self._catching_up is None or self._catching_up.done()):
-            self._catching_up = asyncio.create_task(self.catch_up(request.round))
+        """Where this replica is; one behind the driver's round, or at it with other outer weights
+        than most replicas took it to, starts copying theirs."""
+        replica = self.replica
+        behind = request.round > replica.round
+        astray = bool(request.digest) and request.round == replica.round and request.digest != replica.digest
+        if (behind or astray) and (self._catching_up is None or self._catching_up.done()):
+            if astray:
+                log.warning("outer step %d of run %s left this replica's weights unlike most replicas'; copying theirs",
+                            replica.round, replica.run)
+            self._catching_up = asyncio.create_task(self.catch_up(request.round, request.digest))
         await write(writer, t.to_header(self._where()))
 
     async def admit_session(self, source: Source) -> None:
@@ -160,7 +164,7 @@ class ReplicaService:
             self.averager.wire_bytes, r.digest,
         )
 
-    async def _outer_step(self, request: t.OuterStep) -> list[str]:
+    async def _outer_step(self, request: t.OuterStep) -> Averaged:
         replica = self.replica
         if request.round != replica.round:
             raise RequestError(f"outer step {request.round} asked, but this replica has taken {replica.round}")
@@ -173,7 +177,7 @@ class ReplicaService:
         started = time.perf_counter()
         delta = await self._compute(replica.pseudo_gradient)
         stage = replica.stage
-        gid = group_id(self.model, replica.run, stage.start, stage.end, request.round, request.attempt, request.group)
+        gid = t.group_id(self.model, replica.run, stage.start, stage.end, request.round, request.attempt, request.group)
         averaged = await self.averager.average(gid, delta, request.group, request.timeout, request.compression)
         del delta
         await self._compute(replica.outer_step, averaged.tensors, hyper)
@@ -181,7 +185,7 @@ class ReplicaService:
             "outer step %d of run %s with %d replicas of layers %d:%d (%.1f s)",
             request.round, replica.run, len(set(request.group)), stage.start, stage.end, time.perf_counter() - started,
         )
-        return averaged.left_out
+        return averaged
 
     async def _send_state(self, request: t.FetchState, writer) -> None:
         replica, stage = self.replica, self.replica.stage

@@ -20,15 +20,16 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.client.route.session import RouteSession
-from p2pfusion.client.run.replicas import chains, served, split_rows, stages
-from p2pfusion.dht.records import MAX_REPLICAS, PeerRecord, PeerState, RunCharter, is_peer_id
+from p2pfusion.client.run.config import RunConfig
+from p2pfusion.client.run.replicas import astray, chains, served, split_rows, stages
+from p2pfusion.dht.records import MAX_REPLICAS, PeerRecord, PeerState, RunCharter
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.dht.validation import RUN_TTL
 from p2pfusion.errors import P2PFusionError, PeerFailed, RequestError, RouteError
@@ -37,6 +38,7 @@ from p2pfusion.net import probe
 from p2pfusion.net import run_messages as t
 from p2pfusion.net.compression import Codec, Purpose
 from p2pfusion.net.run_calls import call, fetch_state, status
+from p2pfusion.net.seals import convicted
 
 log = logging.getLogger(__name__)
 
@@ -46,39 +48,6 @@ LOST_PROBE_TIMEOUT = 3.0  # seconds a replica of a failed chain is asked to echo
 AVOID_SECONDS = 60.0  # a replica that failed is left out this long (or until it answers a status)
 EVICT_SECONDS = 600.0  # a replica whose pseudo-gradient the others' robust means left out
 ROUND_ATTEMPTS = 3
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    run: str
-    sync_every: int = 20  # H: inner steps between outer steps
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    outer_lr: float = 0.7  # DiLoCo's Nesterov settings; 1.0 and 0.0 make the outer step a plain average
-    outer_momentum: float = 0.9
-    averaging: str = "none"  # or "float16": the pseudo-gradients' precision on the wire
-    averaging_timeout: float = 60.0  # a member silent this long is left out of a round
-    wait: float = 300.0  # how long a step waits for a stage that has no replica
-    # the run's charter (dht/records.py): the largest inner learning rate any step may use (None:
-    # `lr`), and the replicas admitted (None: every replica that announces the run)
-    max_lr: float | None = None
-    replicas: tuple[str, ...] | None = None
-    identity: str | None = None  # the driver's key file (made if missing); None: one kept per model and run
-
-    def check(self) -> None:
-        t.check_run_name(self.run)
-        if self.sync_every < 1:
-            raise RequestError(f"sync_every must be at least 1, got {self.sync_every}")
-        if self.max_lr is not None and not (math.isfinite(self.max_lr) and self.max_lr >= self.lr):
-            raise RequestError(f"max_lr must be a finite number at least lr ({self.lr}), got {self.max_lr}")
-        if self.replicas is not None and not all(is_peer_id(p) for p in self.replicas):
-            raise RequestError("replicas must be peer ids")
-        if self.averaging not in ("none", "float16"):
-            raise RequestError(f"averaging must be 'none' or 'float16', got {self.averaging!r}")
-        if not 0 < self.outer_lr <= 10 or not 0 <= self.outer_momentum < 1 or self.lr < 0:
-            raise RequestError("outer_lr must be in (0, 10], outer_momentum in [0, 1), lr >= 0")
 
 
 class TrainingRun:
@@ -96,6 +65,9 @@ class TrainingRun:
         # peer id -> the round it said it was at: replicas are asked once per round, and a step
         # through one that has failed since is run again without it
         self._ready: dict[str, int] = {}
+        # (start, end) -> the outer weights' digest most of that stage's replicas took the last outer
+        # step to: a replica holding others copies theirs, and takes no step until it has
+        self._agreed: dict[tuple[int, int], bytes] = {}
         self._waiting_since: float | None = None
         self.charter: RunCharter | None = None  # as this driver last wrote it
         self._written_at = -math.inf
@@ -145,9 +117,9 @@ class TrainingRun:
         self._written_at = time.monotonic()
 
     async def _statuses(self, records: list[PeerRecord]) -> dict[str, t.StateEnd]:
-        request = t.Status(self.config.run, self.round)
         answers = await asyncio.gather(
-            *[status(self.swarm.transport, r.peer_id, r.data_addrs, request) for r in records], return_exceptions=True
+            *[status(self.swarm.transport, r.peer_id, r.data_addrs, self._status_request(r)) for r in records],
+            return_exceptions=True,
         )
         out = {}
         for record, answer in zip(records, answers):
@@ -159,6 +131,14 @@ class TrainingRun:
                 self._avoid[record.peer_id] = time.monotonic() + AVOID_SECONDS
         return out
 
+    def _status_request(self, record: PeerRecord) -> t.Status:
+        return t.Status(self.config.run, self.round, self._agreed.get((record.start, record.end), b""))
+
+    def _in_step(self, record: PeerRecord, where: t.StateEnd) -> bool:
+        """At the driver's round, with the outer weights most of its stage's replicas hold."""
+        agreed = self._agreed.get((record.start, record.end))
+        return where.round == self.round and (agreed is None or where.digest == agreed)
+
     async def averaged_bytes(self) -> int:
         """The bytes the averaging rounds of the replicas online now moved, as they report them."""
         return sum(a.averaged_bytes for a in (await self._statuses(await self._online())).values())
@@ -168,9 +148,10 @@ class TrainingRun:
         deadline = time.monotonic() + self.config.wait
         while True:
             records = await self._online()
-            unknown = [r for r in records if self._ready.get(r.peer_id) != self.round]
-            for peer_id, answer in (await self._statuses(unknown)).items():
-                self._ready[peer_id] = answer.round
+            unknown = {r.peer_id: r for r in records if self._ready.get(r.peer_id) != self.round}
+            for peer_id, answer in (await self._statuses(list(unknown.values()))).items():
+                # a replica copying the others' weights is asked again at the next step
+                self._ready[peer_id] = answer.round if self._in_step(unknown[peer_id], answer) else -1
             current = [r for r in records if self._ready.get(r.peer_id) == self.round]
             try:
                 tiled = stages(current, self.num_layers)
@@ -303,9 +284,18 @@ class TrainingRun:
         """The stage's outer step. Members that fail it are asked again among themselves; those
         still failing after ROUND_ATTEMPTS are left out (they catch up by copying the state the
         others agree on), unless no member of the stage took the step."""
-        config, layers, took = self.config, f"{members[0].start}:{members[0].end}", 0
+        layers, done = f"{members[0].start}:{members[0].end}", {}
+        try:
+            await self._attempts(members, layers, done)
+        finally:
+            self._reconcile(members[0], layers, done)
+
+    async def _attempts(self, members: list[PeerRecord], layers: str, done: dict[str, tuple[t.OuterDone, bytes]]) -> None:
+        """`done` gets each member's answer, beside the round (group id) it took the step in."""
+        config, took, key = self.config, 0, self.source.key
         for attempt in range(ROUND_ATTEMPTS):
             group = [r.peer_id for r in members]
+            round_id = t.group_id(key, config.run, members[0].start, members[0].end, self.round, attempt, group)
             request = t.OuterStep(
                 config.run, self.round, group, attempt, config.outer_lr, config.outer_momentum,
                 config.averaging_timeout, config.averaging,
@@ -318,6 +308,7 @@ class TrainingRun:
             for record, answer in zip(members, answers):
                 if not isinstance(answer, BaseException):
                     self._ready[record.peer_id] = self.round + 1
+                    done[record.peer_id] = (answer, round_id)
                     took += 1
             self._evict([a for a in answers if isinstance(a, t.OuterDone)], layers)
             if not failed:
@@ -340,6 +331,34 @@ class TrainingRun:
             self._ready.pop(record.peer_id, None)
         log.warning("training run %s: %s failed outer step %d %d times; going on without them",
                     config.run, ", ".join(r.peer_id for r in members), self.round, ROUND_ATTEMPTS)
+
+    def _reconcile(self, stage: PeerRecord, layers: str, done: dict[str, tuple[t.OuterDone, bytes]]) -> None:
+        """Leave out of the run the members proven to have sealed two digests in a round, and
+        remember the outer weights most of the others took the step to; those holding others copy
+        them (asked at the next step's status) and take no step meanwhile."""
+        namespace = t.averaging_namespace(self.source.key, self.config.run)
+        guilty = set().union(*(convicted(answer.two_faced, namespace, gid) for answer, gid in done.values()))
+        for peer in sorted(guilty):
+            self._avoid[peer] = time.monotonic() + EVICT_SECONDS
+            self._ready.pop(peer, None)
+            log.warning("training run %s: replica %s of layers %s sent different tensors to different members of "
+                        "outer step %d (its two seals prove it); leaving it out of the run for %.0f s",
+                        self.config.run, peer, layers, self.round, EVICT_SECONDS)
+        digests = {peer: answer.digest for peer, (answer, _) in done.items() if peer not in guilty}
+        agreed, others = astray(digests)
+        key = (stage.start, stage.end)
+        if agreed is None:
+            self._agreed.pop(key, None)
+            return
+        self._agreed[key] = agreed
+        for peer in others:
+            self._ready.pop(peer, None)
+        if others:
+            log.warning(
+                "training run %s: outer step %d left %s of layers %s with other weights than the %d replicas that "
+                "agree; they copy those before their next step", self.config.run, self.round, ", ".join(others),
+                layers, len(digests) - len(others),
+            )
 
     def _evict(self, done: list[t.OuterDone], layers: str) -> None:
         """Leave out of the run, for EVICT_SECONDS, the replicas that most members' robust means

@@ -3,7 +3,8 @@
 A run's replicas hold stages that tile the model's layers; every replica of a stage holds the same
 range. A step's batch is split by rows into micro-batches, one per chain: chain j takes replica
 j mod n of a stage with n replicas, so each replica of the widest stage gets one micro-batch and
-the replicas of narrower stages share theirs out evenly.
+the replicas of narrower stages share theirs out evenly. After an outer step, replicas whose
+weights differ from most of their stage's copy theirs (`astray`).
 """
 
 from __future__ import annotations
@@ -48,3 +49,20 @@ def split_rows(rows: int, parts: int) -> list[tuple[int, int]]:
 def served(routes: list[list[PeerRecord]]) -> Counter[str]:
     """Micro-batches per replica: the divisor of its summed gradients."""
     return Counter(record.peer_id for route in routes for record in route)
+
+
+def astray(digests: dict[str, bytes]) -> tuple[bytes | None, list[str]]:
+    """The outer weights (by digest) more than half of a stage's replicas hold after an outer
+    step, and the replicas holding others: those copy the majority's. Every honest replica of a
+    round averages the same values, so they differ only where a round went otherwise for some (a
+    member that sent its tensors late to some and not others, a retry among fewer). With no
+    majority, nobody is told to copy anybody."""
+    digests = {peer: d for peer, d in digests.items() if d}  # a replica too old to say is no vote
+    held = Counter(digests.values())
+    if not held:
+        return None, []
+    digest, count = held.most_common(1)[0]
+    if 2 * count <= len(digests):
+        return None, []
+    return digest, sorted(peer for peer, d in digests.items() if d != digest)
+

@@ -11,7 +11,8 @@ import torch
 from p2pfusion.client.core import ClientCore
 from p2pfusion.client.loop import BackgroundLoop
 from p2pfusion.client.options import ClientOptions
-from p2pfusion.client.run.driver import RunConfig, TrainingRun
+from p2pfusion.client.run.config import RunConfig
+from p2pfusion.client.run.driver import TrainingRun
 from p2pfusion.errors import RequestError
 from p2pfusion.models.formats import layer_shapes
 from p2pfusion.models.source import cache_root, resolve_model
