@@ -69,6 +69,10 @@ class AveragingFailed(RequestError):
     """A round ended without every member's tensors here: the tensors are unchanged."""
 
 
+class RoundEnded(RequestError):
+    """A frame for a round this peer has ended: a member that stopped waiting for its sender."""
+
+
 @dataclass(frozen=True)
 class AveragePart:
     """One of a member's tensors for a round (the tensor travels beside the header)."""
@@ -280,13 +284,18 @@ class GroupAverager:
     async def _acked(reader, peer: str, what: str) -> None:
         reply, _ = await read_frame(reader, LIMITS)
         if reply.get("kind") != m.Ack.kind:  # it leaves this peer out: the round goes on without its tensors
-            log.warning("averaging: %s refused this peer's %s: %s", peer, what, str(reply.get("message"))[:200])
+            # an echo only helps its receiver: one that came after the receiver ended is nothing wrong
+            level = logging.INFO if what == "echo" else logging.WARNING
+            log.log(level, "averaging: %s refused this peer's %s: %s", peer, what, str(reply.get("message"))[:200])
 
     async def _receive(self, reader, writer, source: Source) -> None:
         """A member's tensors for a round this peer runs (or is about to)."""
         joined: list[_Round] = []  # the round, once the sender proved a member of it
         try:
             await self._read_member(reader, source.peer, joined)
+        except RoundEnded as exc:  # expected of a member slower than this one's waits
+            log.info("averaging: refused a frame from %s: %s", source, exc)
+            await _answer(writer, m.Error(message=str(exc)))
         except (RequestError, FrameError, TimeoutError) as exc:
             log.warning("averaging: refused tensors from %s: %s", source, exc)
             if joined:  # a member that sent what no member could use: every member leaves it out
@@ -334,7 +343,7 @@ class GroupAverager:
         if part.namespace != self.namespace:
             raise RequestError(f"this peer averages for {self.namespace}, not {part.namespace[:100]}")
         if part.group in self._ended:
-            raise RequestError("that round has ended here")
+            raise RoundEnded("that round has ended here")
         round_ = self._rounds.setdefault(part.group, _Round(part.group))
         try:
             await asyncio.wait_for(round_.started.wait(), START_WAIT)
