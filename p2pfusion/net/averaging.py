@@ -48,7 +48,8 @@ from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import FrameError, FrameLimits, read_frame, write_frame
 from p2pfusion.net.identity import PeerProof, ProofError, signed
 from p2pfusion.net.robust import robust_mean
-from p2pfusion.net.seals import MAX_PROOFS, Echoed, TwoSeals, digest, equivocators, seal_message, sealer
+from p2pfusion.net.run_messages import MAX_PROOFS, TwoSeals
+from p2pfusion.net.seals import Echoed, digest, equivocators, seal_message, sealer
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)

@@ -25,14 +25,14 @@ from typing import Annotated, Any, ClassVar
 
 from p2pfusion.errors import RequestError
 from p2pfusion.net import messages as m
-from p2pfusion.net.seals import MAX_PROOFS, TwoSeals
-from p2pfusion.net.wire import Bound, Check, Length
+from p2pfusion.net.wire import MAX_PEER_KEY_BYTES, MAX_PEER_SIG_BYTES, Bound, Check, Length
 
 PROTOCOL = "p2pfusion.train.v1"
 MAX_GROUP = 64  # replicas of one stage that average together
 MAX_RUN_NAME = 64
 MAX_NUMBER = 1 << 53  # counts past it are no count a replica could hold
 STATE_KINDS = ("outer", "momentum", "exp_avg", "exp_avg_sq")
+MAX_PROOFS = 16  # two-faced members a replica reports for one round
 
 
 def averaging_namespace(model: str, run: str) -> str:
@@ -96,6 +96,19 @@ class OuterStep:
     momentum: float = 0.9
     timeout: float = 30.0
     compression: Text = "none"
+
+
+@dataclass(frozen=True)
+class TwoSeals:
+    """A member's seals over two digests in one averaging round, with its public key: proof that
+    it sent different tensors to different members (net/seals.py checks it)."""
+
+    member: m.Id
+    key: Annotated[bytes, Length(MAX_PEER_KEY_BYTES)]
+    first: Annotated[bytes, Length(32, 32)]
+    first_sig: Annotated[bytes, Length(MAX_PEER_SIG_BYTES)]
+    second: Annotated[bytes, Length(32, 32)]
+    second_sig: Annotated[bytes, Length(MAX_PEER_SIG_BYTES)]
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 A member seals the tensors it sends with its identity key's signature over their digest, and
 echoes the seals it received to the other members. Two seals of one member over different
-digests in one round prove it sent different tensors to different members (`TwoSeals`): any
+digests in one round prove it sent different tensors to different members (`TwoSeals`, in net/run_messages.py): any
 member that holds both leaves it out, and anyone who knows the round (its namespace and group)
 can check the proof, as a run's driver does before it lets the other members outvote the ones
 that saw it (client/run/replicas.py `astray`). Nobody can make such a proof against a member
@@ -15,18 +15,19 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated
-
-import torch
+from typing import TYPE_CHECKING, Annotated
 
 from p2pfusion.net import messages as m
 from p2pfusion.net import wire
 from p2pfusion.net.identity import PeerProof, ProofError, signer
+from p2pfusion.net.run_messages import TwoSeals
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 SEAL_PREFIX = b"p2pfusion averaging seal "
-MAX_PROOFS = 16  # two-faced members a replica reports for one round
 
 
 @dataclass(frozen=True)
@@ -34,19 +35,6 @@ class Echoed:
     member: m.Id
     digest: Annotated[bytes, wire.Length(32, 32)]
     sig: Annotated[bytes, wire.Length(wire.MAX_PEER_SIG_BYTES)]
-
-
-@dataclass(frozen=True)
-class TwoSeals:
-    """A member's seals over two digests in one round, with its public key: proof that it sent
-    different tensors to different members."""
-
-    member: m.Id
-    key: Annotated[bytes, wire.Length(wire.MAX_PEER_KEY_BYTES)]
-    first: Annotated[bytes, wire.Length(32, 32)]
-    first_sig: Annotated[bytes, wire.Length(wire.MAX_PEER_SIG_BYTES)]
-    second: Annotated[bytes, wire.Length(32, 32)]
-    second_sig: Annotated[bytes, wire.Length(wire.MAX_PEER_SIG_BYTES)]
 
 
 def digest(tensors: Sequence[torch.Tensor]) -> bytes:
