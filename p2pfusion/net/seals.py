@@ -15,15 +15,14 @@ import hashlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
+
+import torch
 
 from p2pfusion.net import messages as m
 from p2pfusion.net import wire
 from p2pfusion.net.identity import PeerProof, ProofError, signer
 from p2pfusion.net.run_messages import TwoSeals
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger(__name__)
 

@@ -339,8 +339,7 @@ class TrainingRun:
         namespace = t.averaging_namespace(self.source.key, self.config.run)
         guilty = set().union(*(convicted(answer.two_faced, namespace, gid) for answer, gid in done.values()))
         for peer in sorted(guilty):
-            self._avoid[peer] = time.monotonic() + EVICT_SECONDS
-            self._ready.pop(peer, None)
+            self._leave_out(peer)
             log.warning("training run %s: replica %s of layers %s sent different tensors to different members of "
                         "outer step %d (its two seals prove it); leaving it out of the run for %.0f s",
                         self.config.run, peer, layers, self.round, EVICT_SECONDS)
@@ -360,14 +359,17 @@ class TrainingRun:
                 layers, len(digests) - len(others),
             )
 
+    def _leave_out(self, peer: str) -> None:
+        self._avoid[peer] = time.monotonic() + EVICT_SECONDS
+        self._ready.pop(peer, None)
+
     def _evict(self, done: list[t.OuterDone], layers: str) -> None:
         """Leave out of the run, for EVICT_SECONDS, the replicas that most members' robust means
         left out: their micro-batches go to the others rather than to updates nobody uses."""
         votes = Counter(peer for answer in done for peer in set(answer.left_out))
         for peer, count in votes.items():
             if 2 * count > len(done):
-                self._avoid[peer] = time.monotonic() + EVICT_SECONDS
-                self._ready.pop(peer, None)
+                self._leave_out(peer)
                 log.warning(
                     "training run %s: replica %s of layers %s sent a pseudo-gradient the others left out (not finite, "
                     "misshapen, far from theirs, pointing away from them, or not the same to all); leaving it out "
