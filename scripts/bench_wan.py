@@ -10,8 +10,9 @@ round trip R apart, set live for each R (the swarm stays up). A token's trip goe
 R = 0 (each hop's compute, the links' own cost and the client's head, measured in this run) plus
 2R; the ratio is the measured time over it (target <= 1.15). Decode is greedy, one token per step
 (`speculate="off"`), (tokens - 1) / decode time. Parts (--parts):
-- sweep: the above at each of --rtts, and --users generations at once at 0 ms and at --spec-rtt;
-  then at --spec-rtt with --jitter-ms of jitter and --loss of the chunks retransmitted.
+- sweep: the above at each of --rtts, and --users generations at once at 0 ms and at --spec-rtt,
+  against the lesser of the peers' compute limit (the users at 0 ms) and --users times a lone
+  user's rate at that round trip (one token a step: a user's tokens come one a route's trip); then at --spec-rtt with --jitter-ms of jitter and --loss of the chunks retransmitted.
 - spec: at --spec-rtt, speculative decoding against plain on prompts whose answer repeats its
   context and on free chat (targets 1.8x and 0.95x at 50 ms): drafts looked up in the text, and,
   with --draft-layers N, drafts from a draft model made of the default model's first N layers and
@@ -64,11 +65,21 @@ async def decode(model: RemoteCausalLM, ids: list[int], tokens: int):
         await conversation.close()
 
 
-async def many_users(model: RemoteCausalLM, ids: list[int], users: int, tokens: int) -> float:
-    """Tokens/s of `users` greedy generations at once, first token to last."""
-    t0 = time.perf_counter()
+def cpu_jiffies() -> tuple[int, int]:
+    """The machine's (busy, all) CPU time so far, from /proc/stat (every namespace shares it)."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return sum(fields) - idle, sum(fields)
+
+
+async def many_users(model: RemoteCausalLM, ids: list[int], users: int, tokens: int) -> tuple[float, float]:
+    """Tokens/s of `users` greedy generations at once, first token to last, and the share of the
+    machine's CPU time busy meanwhile."""
+    t0, (busy0, all0) = time.perf_counter(), cpu_jiffies()
     results = await asyncio.gather(*(decode(model, ids, tokens) for _ in range(users)))
-    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0)
+    rate = sum(len(r.token_ids) for r in results) / (time.perf_counter() - t0)
+    busy1, all1 = cpu_jiffies()
+    return rate, (busy1 - busy0) / max(all1 - all0, 1)
 
 
 async def dht_times(client, maddrs: list[str], key: str, lookups: int) -> tuple[tuple[float, float], float]:
@@ -96,20 +107,23 @@ async def sweep(wan: WanSwarm, client, plain: RemoteCausalLM, args, found: dict)
         wan.delays(lambda a, b: rtt / 2000, jitter=jitter / 1000, loss=loss)
         await asyncio.sleep(2 * RELOAD_EVERY)
         row = (rtt, jitter, loss)
-        per_token, ttft, forward = [], [], []
+        per_token, ttft, forward, alone = [], [], [], []
         for _ in range(args.runs):
+            t0 = time.perf_counter()
             result = await decode(plain, chat, args.tokens)
+            alone.append(len(result.token_ids) / (time.perf_counter() - t0))
             ttft.append(result.token_times[0])
             per_token.append(result.decode_seconds / (len(result.token_ids) - 1))
             t0 = time.perf_counter()
             await plain.forward_logits(batch)
             forward.append(time.perf_counter() - t0)
         found["per_token"][row], found["ttft"][row] = statistics.median(per_token), statistics.median(ttft)
-        found["forward"][row] = statistics.median(forward)
+        found["forward"][row], found["alone"][row] = statistics.median(forward), statistics.median(alone)
         found["lookup"][row], found["join"][row] = await dht_times(client, wan.swarm.maddrs, plain.source.key, args.lookups)
         if not jitter and not loss and rtt in (0.0, args.spec_rtt):
-            found["users"][rtt] = await many_users(plain, chat, args.users, args.tokens)
-            print(f"RTT {rtt} ms: {args.users} users together, {found['users'][rtt]:.1f} tokens/s", file=sys.stderr)
+            found["users"][rtt], found["busy"][rtt] = await many_users(plain, chat, args.users, args.tokens)
+            print(f"RTT {rtt} ms: {args.users} users together, {found['users'][rtt]:.1f} tokens/s, CPU "
+                  f"{100 * found['busy'][rtt]:.0f} % busy", file=sys.stderr)
         print(f"RTT {rtt} ms (jitter {jitter} ms, loss {loss}): {1000 * found['per_token'][row]:.1f} ms per token, "
               f"first token {1000 * found['ttft'][row]:.0f} ms, 4x128 forward {found['forward'][row]:.2f} s", file=sys.stderr)
 
@@ -135,7 +149,7 @@ async def speculation(wan: WanSwarm, plain: RemoteCausalLM, drafters: dict[str, 
 
 async def measured(wan: WanSwarm, source, draft: Path | None, args) -> dict:
     client = await join_swarm(wan.swarm.maddrs, client_mode=True)
-    found: dict = {"per_token": {}, "ttft": {}, "forward": {}, "spec": {}, "lookup": {}, "join": {}, "users": {}}
+    found: dict = {"per_token": {}, "ttft": {}, "forward": {}, "spec": {}, "lookup": {}, "join": {}, "users": {}, "alone": {}, "busy": {}}
     try:
         plain = RemoteCausalLM.build(source, client, speculate="off", verify=0.0)
         await decode(plain, plain.encode(CHAT, chat=True), 4)  # connections, links, caches
@@ -283,8 +297,13 @@ def report(r: dict, source, args) -> None:
                   f"{f'{1000 * p50:.0f}/{1000 * p99:.0f}':>18} {1000 * r['join'][row]:>8.0f}")
     zero, far = r["users"].get(0.0), r["users"].get(args.spec_rtt)
     if zero is not None and far is not None:  # --rtts may leave out --spec-rtt
+        # one token a step: no user's generation ends sooner than a lone user's at that round trip
+        alone = args.users * r["alone"][(args.spec_rtt, 0.0, 0.0)]
+        bound = min(zero, alone)
         print(f"{args.users} users at once: {zero:.1f} tokens/s at 0 ms (the peers' compute limit here), {far:.1f} at "
-              f"{args.spec_rtt:.0f} ms, ratio {far / zero:.2f}")
+              f"{args.spec_rtt:.0f} ms, ratio {far / zero:.2f}; {args.users} lone users' rate at {args.spec_rtt:.0f} ms "
+              f"{alone:.1f} tokens/s, so the bound there is {bound:.1f}: ratio {far / bound:.2f}; CPU busy "
+              f"{100 * r['busy'][0.0]:.0f} % at 0 ms, {100 * r['busy'][args.spec_rtt]:.0f} % at {args.spec_rtt:.0f} ms")
     for (drafter, group), ratios in r["spec"].items():
         print(f"speculative vs plain at RTT {args.spec_rtt:.0f} ms, {drafter}, {group}: "
               f"{', '.join(f'{x:.2f}' for x in ratios)} (median {statistics.median(ratios):.2f})")
