@@ -51,8 +51,11 @@ def test_the_number_of_drafts_follows_what_pays():
     for _ in range(20):  # drafts that never stand, each costing 5 ms
         spec.took(2, 0, 0.020)
     assert spec.drafts(text, room=100) == []  # drafting stopped paying
-    for _ in range(EXPLORE_EVERY):
+    for _ in range(EXPLORE_EVERY - 1):
+        assert not spec.explores_next()
         spec.took(0, 0, 0.010)
+    assert spec.explores_next()  # a draft model reads ahead beside this plain step
+    spec.took(0, 0, 0.010)
     assert len(spec.drafts(text, room=100)) == 1  # but it tries one now and then...
     spec.took(1, 0, 0.015)
     for _ in range(EXPLORE_EVERY):

@@ -194,7 +194,12 @@ class Conversation:
                     # take it from their tokens (docs/benchmarks.md), so only a lone session drafts
                     began = time.perf_counter()  # a step's time counts its drafting
                     drafts = [] if spec is None or not member.alone else await self._drafts(spec, input_ids + out, room)
-                    hidden = await self._step(model.embed([token, *drafts]))
+                    reading = self._read_ahead(spec, input_ids + out) if member.alone and not drafts else None
+                    try:
+                        hidden = await self._step(model.embed([token, *drafts]))
+                    finally:
+                        if reading is not None:
+                            await reading
                     self.tokens.append(token)
                     if drafts:  # `hidden` is not read again: the next token is chosen here, the step after computes anew
                         queued, after = await self._judge(drafts, hidden, temperature, generator, top_p)
@@ -223,6 +228,14 @@ class Conversation:
             self.drafter = None if draft is None else draft.drafter()
         self.speculation.begin()
         return self.speculation
+
+    def _read_ahead(self, spec: Speculation | None, sequence: list[int]) -> asyncio.Future | None:
+        """Before a plain step after which the policy tries a draft again, the draft model reads the
+        tokens chosen since it last drafted beside the step, not in front of that try (a draft
+        model that drafts badly cost up to 8 % at 50 ms when each try began with that catch-up)."""
+        if self.drafter is None or spec is None or not spec.explores_next():
+            return None
+        return asyncio.ensure_future(asyncio.to_thread(self.drafter.warm, sequence))
 
     async def _drafts(self, spec: Speculation, sequence: list[int], room: int) -> list[int]:
         """The drafts to send after `sequence`: the draft model's, if the client has one, else

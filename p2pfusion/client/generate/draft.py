@@ -124,6 +124,10 @@ class Speculation:
             k = 1
         return k
 
+    def explores_next(self) -> bool:
+        """Whether the step after a plain one sends a draft however the rates stand (`size`)."""
+        return self.since_draft + 1 >= self.explore_gap
+
     def drafts(self, sequence: Sequence[int], room: int) -> list[int]:
         """The drafts prompt lookup finds behind the last token of `sequence`, as many as pay, at
         most `room`."""

@@ -88,9 +88,9 @@ class Drafter:
             return self._propose(sequence, k)
 
     def warm(self, sequence: Sequence[int]) -> None:
-        """Read `sequence` into the cache (a prompt, while the swarm reads it too), so that the
-        first drafts after it cost a step of the draft model, not a prompt's worth. Runs on a
-        worker thread."""
+        """Read `sequence` into the cache (a prompt, or the tokens plain steps chose, while the
+        swarm computes), so that the drafts after it cost a step of the draft model, not a
+        catch-up. Runs on a worker thread."""
         with self._busy:
             self._read(sequence)
 
