@@ -11,13 +11,16 @@ perfectly); the optimum is the best placement of the same fleet (p2pfusion/sim/o
 mixed-integer program solved by HiGHS; for fleets over --exact-up-to peers, its linear relaxation,
 an upper bound, so the ratios printed are at most what they would be against the true optimum).
 For the first seed it also times the `/v1/swarm` view of the swarm (client/survey.py), on stderr.
+With --search-seconds, a central search then moves one peer at a time from the settled placement
+(any range, no least gain, no reload cost) while that raises the flow or its weakest layers: a
+placement no worse than the swarm's, so a lower bound on the optimum beside the LP's upper one.
 With --churn-hours, each settled swarm then lives through that many simulated hours of crashes and
 arrivals (p2pfusion/sim/churn.py): its flow against the live fleet's LP bound every 10 minutes,
 and every stretch in which a layer went unserved.
 Each seed's figures go to stderr as it ends (a seed of 1,000 peers takes minutes), beside a
 progress bar; --first-seed starts the seeds further on, to add seeds to an earlier run's.
 Usage: python scripts/sim_fleet.py --peers 100 --seeds 30 [--first-seed 0] [--models llama-70b-int8,llama-70b-int4]
-       [--churn-hours 2]
+       [--churn-hours 2] [--search-seconds 600]
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from p2pfusion.dht.records import ModelEntry
 from p2pfusion.sim.churn import SESSION_MEDIAN, Timeline
 from p2pfusion.sim.fleet import draw_fleet, newcomer
 from p2pfusion.dht.flow import swarm_flow
-from p2pfusion.sim.optimum import best_placement
+from p2pfusion.sim.optimum import best_placement, searched
 from p2pfusion.sim.profiles import MODELS
 from p2pfusion.sim.swarm import built
 
@@ -49,11 +52,14 @@ class Seed:
     joined: float  # the swarm's flow over the optimum's after every volunteer joined
     settled: float  # ... and after rebalancing
     exact: bool  # the optimum is the integer program's (else its relaxation's bound)
+    searched: float | None = None  # what a central search reached from the settled placement, the same way
     churned: list[float] = field(default_factory=list)  # sampled over the churn trace
     gaps: list[float] = field(default_factory=list)  # seconds some layer went unserved, each time
 
 
-def one_seed(peers: int, model, seed: int, exact_up_to: int, churn_hours: float, time_view: bool = False) -> Seed:
+def one_seed(
+    peers: int, model, seed: int, exact_up_to: int, churn_hours: float, time_view: bool = False, search: float = 0.0,
+) -> Seed:
     rng = random.Random(seed)
     fleet = draw_fleet(peers, model, rng)
     swarm = built(fleet, model, rng)
@@ -65,6 +71,9 @@ def one_seed(peers: int, model, seed: int, exact_up_to: int, churn_hours: float,
     best = best_placement([v.capacity for v in fleet], model.layers, relax=peers > exact_up_to)
     reference = best.found if best.exact else best.bound
     result = Seed(joined / reference, settled / reference, best.exact)
+    if search > 0:
+        ranges = [(r.start, r.end) if (r := swarm.records[v.peer_id]).serving else None for v in fleet]
+        result.searched = searched([v.capacity for v in fleet], ranges, model.layers, search, random.Random(seed)) / reference
     if churn_hours > 0:
         timeline = Timeline(swarm, lambda peer_id: newcomer(peer_id, model, rng))
         timeline.start()
@@ -106,6 +115,8 @@ def main() -> None:
     parser.add_argument("--models", default="llama-70b-int8,llama-70b-int4")
     parser.add_argument("--churn-hours", type=float, default=0.0, help="then volunteers come and go this long")
     parser.add_argument("--exact-up-to", type=int, default=20, help="largest fleet solved as an integer program")
+    parser.add_argument("--search-seconds", type=float, default=0.0,
+                        help="then a central search moves one peer at a time from the settled placement, this long at most")
     args = parser.parse_args()
     settled_all = []
     for name in args.models.split(","):
@@ -116,9 +127,11 @@ def main() -> None:
         with tqdm(seeds, desc=name, unit="seed", file=sys.stderr) as bar:
             for seed in bar:
                 started = time.perf_counter()
-                results.append(one_seed(args.peers, model, seed, args.exact_up_to, args.churn_hours, seed == args.first_seed))
+                results.append(one_seed(args.peers, model, seed, args.exact_up_to, args.churn_hours,
+                                        seed == args.first_seed, args.search_seconds))
+                search = "" if results[-1].searched is None else f", a central search from there {results[-1].searched:.3f}"
                 bar.write(f"{name} seed {seed}: after joins {results[-1].joined:.3f}, after rebalancing "
-                          f"{results[-1].settled:.3f} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+                          f"{results[-1].settled:.3f}{search} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
         joined = [r.joined for r in results]
         settled = [r.settled for r in results]
         settled_all += settled
@@ -126,6 +139,11 @@ def main() -> None:
         print(f"{name}, {args.peers} peers, {args.seeds} seeds, against {against}: after joins mean "
               f"{statistics.mean(joined):.3f} (worst {min(joined):.3f}); after rebalancing mean "
               f"{statistics.mean(settled):.3f} (worst {min(settled):.3f}) [{time.perf_counter() - t0:.0f} s]")
+        if args.search_seconds > 0:
+            found = [r.searched for r in results]
+            print(f"{name}: a central search from the settled placements reached mean {statistics.mean(found):.3f} "
+                  f"(worst {min(found):.3f}); the swarm's own over it: mean "
+                  f"{statistics.mean(r.settled / r.searched for r in results):.3f}")
         if args.churn_hours > 0:
             report_churn(name, results, args.churn_hours)
         sys.stdout.flush()

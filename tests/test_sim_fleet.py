@@ -9,7 +9,7 @@ from p2pfusion.dht.flow import FlowRoom, max_flow, swarm_flow
 from p2pfusion.peer.balance import Capacity, layer_throughputs
 from p2pfusion.sim.churn import Timeline
 from p2pfusion.sim.fleet import draw_fleet, newcomer
-from p2pfusion.sim.optimum import best_placement, enumerated_best
+from p2pfusion.sim.optimum import best_placement, enumerated_best, searched
 from p2pfusion.sim.profiles import MODELS, ModelShape
 from p2pfusion.sim.swarm import built
 from tests.policy_records import rec
@@ -34,6 +34,15 @@ def test_the_integer_optimum_is_the_best_placement_and_its_relaxation_bounds_it(
     solved = best_placement(fleet, 4)
     assert solved.exact and solved.found == pytest.approx(best, rel=1e-6)
     assert best_placement(fleet, 4, relax=True).bound >= best - 1e-6
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_central_search_finds_a_placement_between_its_start_and_the_optimum(seed):
+    rng = random.Random(seed)
+    fleet = [Capacity(rng.choice([10.0, 20.0, 30.0]), rng.choice([None, 8.0]), rng.choice([1, 2, 3])) for _ in range(4)]
+    start = [(0, 1), (0, 1), None, (1, 2)]  # nothing reaches layer 4: it carries nothing
+    found = searched(fleet, start, 4, seconds=30.0, rng=random.Random(0))
+    assert 0.0 < found <= enumerated_best(fleet, 4) + 1e-6
 
 
 def test_fleets_follow_the_profiles():
