@@ -8,7 +8,8 @@ mixed-integer program over the fleet's kinds of volunteer (same compute, link an
 many of each kind serve each range, and a flow through the ranges (`best_placement`, solved by
 HiGHS through scipy). With hundreds of volunteers of each kind, its linear relaxation is within a
 hair of it and solves in a second; the relaxation is an upper bound, so a ratio against it
-understates how close a placement comes.
+understates how close a placement comes. From below, `searched` improves a given placement one
+peer's move at a time: the optimum lies between what it reaches and the relaxation.
 """
 
 from __future__ import annotations
