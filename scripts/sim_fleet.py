@@ -73,7 +73,8 @@ def one_seed(
     result = Seed(joined / reference, settled / reference, best.exact)
     if search > 0:
         ranges = [(r.start, r.end) if (r := swarm.records[v.peer_id]).serving else None for v in fleet]
-        result.searched = searched([v.capacity for v in fleet], ranges, model.layers, search, random.Random(seed)) / reference
+        flow, _ = searched([v.capacity for v in fleet], ranges, model.layers, search, random.Random(seed))
+        result.searched = flow / reference
     if churn_hours > 0:
         timeline = Timeline(swarm, lambda peer_id: newcomer(peer_id, model, rng))
         timeline.start()

@@ -37,12 +37,21 @@ def test_the_integer_optimum_is_the_best_placement_and_its_relaxation_bounds_it(
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_a_central_search_finds_a_placement_between_its_start_and_the_optimum(seed):
+def test_a_central_search_ends_where_no_single_move_raises_the_flow(seed):
     rng = random.Random(seed)
-    fleet = [Capacity(rng.choice([10.0, 20.0, 30.0]), rng.choice([None, 8.0]), rng.choice([1, 2, 3])) for _ in range(4)]
+    fleet = [Capacity(rng.choice([10.0, 20.0, 30.0]), rng.choice([None, 8.0]), rng.choice([2, 3])) for _ in range(4)]
     start = [(0, 1), (0, 1), None, (1, 2)]  # nothing reaches layer 4: it carries nothing
-    found = searched(fleet, start, 4, seconds=30.0, rng=random.Random(0))
-    assert 0.0 < found <= enumerated_best(fleet, 4) + 1e-6
+
+    def flow(ranges):
+        return max_flow([(a, b, c.throughput(b - a)) for r, c in zip(ranges, fleet) if r is not None for a, b in [r]], 4)
+
+    found, ranges = searched(fleet, start, 4, seconds=30.0, rng=random.Random(0))
+    assert ranges[2] is None and found == pytest.approx(flow(ranges))
+    assert 0.0 < found <= enumerated_best([fleet[i] for i in (0, 1, 3)], 4) + 1e-6
+    for i in (0, 1, 3):  # every move of one peer, tried here by brute force
+        for a in range(4):
+            for b in range(a + 1, min(a + fleet[i].max_layers, 4) + 1):
+                assert flow([*ranges[:i], (a, b), *ranges[i + 1:]]) <= found * (1 + 1e-6)
 
 
 def test_fleets_follow_the_profiles():

@@ -102,8 +102,8 @@ def enumerated_best(capacities: list[Capacity], num_layers: int) -> float:
 
 def searched(
     capacities: list[Capacity], ranges: list[tuple[int, int] | None], num_layers: int, seconds: float, rng: random.Random,
-) -> float:
-    """The flow a central search reaches from a placement (`ranges`, each peer's or None): one peer
+) -> tuple[float, list[tuple[int, int] | None]]:
+    """The placement a central search reaches from `ranges` (each peer's or None), and its flow: one peer
     at a time, in random order, moves to the range (any start, any length it holds) that most
     raises the flow, then the sorted per-layer throughputs (leximin), until no single move does or
     `seconds` have run. It makes moves the swarm's own policy does not (from any start, however
@@ -139,4 +139,5 @@ def searched(
             placed[i] = here
             if time.monotonic() >= deadline:
                 break
-    return max_flow([(a, b, capacities[i].throughput(b - a)) for i, (a, b) in placed.items()], num_layers)
+    flow = max_flow([(a, b, capacities[i].throughput(b - a)) for i, (a, b) in placed.items()], num_layers)
+    return flow, [placed.get(i) for i in range(len(ranges))]
