@@ -1,11 +1,13 @@
-"""The client's greedy head for several sessions at once: screened row by row, or one float32 product.
+"""The client's greedy head for several sessions at once: screened row by row, or one product.
 
 `client/generate/greedy.py` chooses the greedy tokens of the sessions that ask in the same turn of the
 loop together; this measures what each way costs on the default model's head (49,152 x 576), one
 thread, for 1 to 16 rows: the float16 screen one row at a time (`ScreenedHead.next_token`),
-`torch.nn.functional.linear` over all rows, and the product with the vocabulary as the left operand
-(`ScreenedHead.next_tokens`). The three take turns within each repetition, so a busy moment of a
-shared machine hits them alike; the medians are printed, with ratios to `linear`.
+`torch.nn.functional.linear` over all rows, the float32 product with the vocabulary as the left
+operand (`ScreenedHead.next_tokens`) and the bfloat16 screen of all rows (`next_tokens(x,
+bfloat16=True)`, where this machine's bfloat16 kernel passes its check). The four take turns within
+each repetition, so a busy moment of a shared machine hits them alike; the medians are printed,
+with ratios to `linear`.
 
     .venv/bin/python scripts/bench_head.py [--reps 7]
 """
@@ -52,19 +54,23 @@ def main() -> None:
     with torch.inference_mode():
         for _ in tqdm(range(args.reps), desc="repetitions", file=sys.stderr):
             for rows in ROWS:
-                x = torch.randn(rows, weight.shape[1]) * 0.05
+                x = torch.randn(rows, weight.shape[1]) * 2  # the final norm's scale: |x| about 46
                 ways = {
                     "screen per row": lambda: [screen.next_token(row) for row in x],
                     "linear": lambda: torch.nn.functional.linear(x, weight),
                     "vocabulary on the left": lambda: screen.next_tokens(x),
+                    "bfloat16 screen": lambda: screen.next_tokens(x, bfloat16=True),
                 }
                 for name, fn in ways.items():
                     times.setdefault((name, rows), []).append(timed(fn))
-    print(f"{'rows':>4} | {'screen per row':>15} | {'linear':>8} | {'vocabulary on the left':>22} | left vs linear")
+    print(f"{'rows':>4} | {'screen per row':>15} | {'linear':>8} | {'vocabulary on the left':>22} | "
+          f"{'bfloat16 screen':>15} | left vs linear | bfloat16 vs left")
     for rows in ROWS:
         medians = {name: statistics.median(values) for (name, r), values in times.items() if r == rows}
-        print(f"{rows:>4} | {medians['screen per row']:>12.1f} ms | {medians['linear']:>5.1f} ms | "
-              f"{medians['vocabulary on the left']:>19.1f} ms | {medians['vocabulary on the left'] / medians['linear']:.2f}")
+        left, low = medians["vocabulary on the left"], medians["bfloat16 screen"]
+        print(f"{rows:>4} | {medians['screen per row']:>12.1f} ms | {medians['linear']:>5.1f} ms | {left:>19.1f} ms | "
+              f"{low:>12.1f} ms | {left / medians['linear']:>14.2f} | {low / left:.2f}")
+    print(f"bfloat16 kernel summing in float32 here, by row count: {screen.sound}")
 
 
 if __name__ == "__main__":

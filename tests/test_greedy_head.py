@@ -1,4 +1,5 @@
-"""The float16-screened greedy head gives exactly the float32 head's token, or defers to it."""
+"""The screened greedy head (float16 row by row, bfloat16 for many rows) gives exactly the float32
+head's token, or defers to it."""
 
 import asyncio
 
@@ -36,6 +37,59 @@ def test_screened_token_is_the_float32_argmax_or_none(vocab, hidden, near, gap, 
             weight[row] = weight[best] * (1 - gap * torch.rand(1, generator=generator))
     token = ScreenedHead.of(weight).next_token(x)
     assert token is None or token == _full_argmax(weight, x)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    vocab=st.integers(2, 300),
+    hidden=st.integers(1, 96),
+    rows=st.integers(4, 12),
+    near=st.integers(0, 40),
+    gap=st.sampled_from([0.0, 1e-7, 1e-5, 1e-3, 1e-2, 1e-1]),
+    scale=st.sampled_from([1e-6, 1e-2, 1.0, 30.0, 1e3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_many_rows_screened_in_bfloat16_give_the_float32_argmax_or_none(vocab, hidden, rows, near, gap, scale, seed):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(vocab, hidden, generator=generator) * 0.1
+    x = torch.randn(rows, hidden, generator=generator) * scale
+    best = int((weight @ x[0]).argmax())
+    for row in torch.randint(0, vocab, (near,), generator=generator).tolist():
+        if row != best:  # rows nudged to nearly tie with the first input's best one
+            weight[row] = weight[best] * (1 - gap * torch.rand(1, generator=generator))
+    tokens = ScreenedHead.of(weight).next_tokens(x, bfloat16=True)
+    assert all(token is None or token == _full_argmax(weight, row) for token, row in zip(tokens, x))
+
+
+def test_rounding_that_reverses_the_order_in_bfloat16_still_gives_the_float32_token():
+    half, ulp = 5, 2.0 ** -7  # bfloat16's spacing just above 1
+    weight = torch.zeros(3, 2 * half)
+    weight[0, :half] = 1 + 0.49 * ulp
+    weight[1, half:] = 1 + 0.51 * ulp
+    weight[2] = 0.5
+    x = torch.cat([torch.ones(half), torch.full((half,), 1 - ulp / 2)]).expand(4, -1)
+    screened = nn.functional.linear(x.bfloat16(), weight.bfloat16()).float()
+    assert screened[0, 1] >= screened[0, 0] and _full_argmax(weight, x[0]) == 0
+    assert ScreenedHead.of(weight).next_tokens(x, bfloat16=True) == [0] * 4
+
+
+def test_a_bfloat16_kernel_that_does_not_sum_in_float32_is_not_trusted():
+    """The check that guards the bfloat16 bound accepts the rounded exact products and rejects a
+    kernel that rounds its running sum to bfloat16 (whatever this machine's own kernel does)."""
+    generator = torch.Generator().manual_seed(0)
+    screen = ScreenedHead.of(torch.randn(500, 576, generator=generator))
+    screen.brain = screen.weight.bfloat16()
+    low = torch.randn(4, 576, generator=generator).bfloat16()
+    exact = (low.double() @ screen.brain.double().T).bfloat16()
+    assert screen._sums_in_float32(low, exact)
+    running = torch.zeros(4, 500, dtype=torch.bfloat16)
+    for i in range(576):  # each product added to a bfloat16 sum
+        running = running + low[:, i:i + 1] * screen.brain[:, i]
+    assert not screen._sums_in_float32(low, running)
+    wrong = ScreenedHead.of(screen.weight)
+    wrong.sound[4] = False  # as if that kernel had been found here: many rows go in float32
+    x = torch.randn(4, 576, generator=generator)
+    assert wrong.next_tokens(x, bfloat16=True) == [_full_argmax(screen.weight, row) for row in x] and wrong.brain is None
 
 
 def test_rounding_that_reverses_the_order_in_float16_still_gives_the_float32_token():

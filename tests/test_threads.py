@@ -10,7 +10,7 @@ import torch
 import uvloop
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.client.generate.greedy import TRIALS, HeadThreads, faster_threads
+from p2pfusion.client.generate.greedy import TRIALS, HeadWays, kept_way
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.threads import DecodeSettings, StepCost, choose_decode_settings, shares_host, thread_options
@@ -123,16 +123,21 @@ def test_a_peer_kept_warm_gives_transformers_logits_and_the_cores_back(tiny_mode
     assert idle_cpu < 0.25  # spinning two threads would burn 1 s of CPU in those 0.5 s
 
 
-def test_the_client_head_keeps_the_thread_count_its_own_calls_found_faster():
-    head = HeadThreads([1, 2])
+def test_the_client_head_keeps_the_way_its_own_calls_found_faster():
+    head = HeadWays([1, 2])
     # one-row calls: a second thread wakes slowly after the client's idle wait
-    # eight-row calls: the product is large enough for two threads to pay
-    seconds = {(1, 1): 3e-3, (1, 2): 11e-3, (8, 1): 33e-3, (8, 2): 17e-3}
-    for _ in range(2 * TRIALS):
-        for rows in (1, 8):
-            threads = head.threads(rows)
-            head.timed(rows, threads, seconds[rows, threads])
-    assert head.threads(1) == 1 and head.threads(8) == 2
-    assert head.threads(12) == 2  # 8 rows or more are one size
-    assert faster_threads({1: [1.0] * TRIALS, 2: [0.95] * TRIALS}) == 1  # within the margin: fewer threads
-    assert faster_threads({1: [1.0] * TRIALS, 2: [0.5] * (TRIALS - 1)}) is None  # still trying
+    # eight-row calls: the product is large enough for two threads to pay, and bfloat16 pays
+    # more where the CPU multiplies it natively; on four rows it is slow (no native support)
+    seconds = {
+        (1, (1, False)): 3e-3, (1, (2, False)): 11e-3,
+        (8, (1, False)): 33e-3, (8, (2, False)): 17e-3, (8, (1, True)): 5e-3, (8, (2, True)): 4.8e-3,
+        (4, (1, False)): 20e-3, (4, (2, False)): 12e-3, (4, (1, True)): 60e-3, (4, (2, True)): 40e-3,
+    }
+    for _ in range(4 * TRIALS):
+        for rows in (1, 4, 8):
+            way = head.way(rows)
+            head.timed(rows, way, seconds[rows, way])
+    assert head.way(1) == (1, False) and head.way(8) == (1, True) and head.way(4) == (2, False)
+    assert head.way(12) == (1, True)  # 8 rows or more are one size
+    assert kept_way({(1, False): [1.0] * TRIALS, (2, False): [0.95] * TRIALS}) == (1, False)  # within the margin
+    assert kept_way({(1, False): [1.0] * TRIALS, (2, False): [0.5] * (TRIALS - 1)}) is None  # still trying

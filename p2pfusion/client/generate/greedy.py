@@ -3,14 +3,16 @@
 A client running many sessions releases a cohort's members together (client/generate/lockstep.py); each
 would then run the LM head on its own, a matrix-vector product over the whole vocabulary each.
 Requests made in the same turn of the event loop are answered together instead: one final norm
-and one float32 matrix product for all of them, which also sends their next steps to the first
-peer together, to be batched there.
+and one matrix product for all of them (generate/screen.py), which also sends their next steps to
+the first peer together, to be batched there.
 Fewer than BATCHED_ROWS requests go through the float16 screen one by one, which costs less then.
 
-How many threads the head runs on is learned from its own calls (`HeadThreads`): the client idles
-while the swarm computes, and waking a second thread after that cost 6-10 ms on this project's VMs,
-more than a one-row screen (3 ms on one thread), while eight rows took 33 ms on one thread and
-17 ms on two (docs/benchmarks.md). No fixed choice suits every size of call and every machine.
+How the head runs is learned from its own calls (`HeadWays`): on how many threads, and for many
+rows whether in bfloat16 or float32. The client idles while the swarm computes, and waking a second
+thread after that cost 6-10 ms on this project's VMs, more than a one-row screen (3 ms on one
+thread), while eight rows took 33 ms on one thread and 17 ms on two; a bfloat16 product of eight
+rows took 4 ms on a CPU with AVX512-BF16 and is slow on one without (docs/benchmarks.md). No fixed
+choice suits every size of call and every machine.
 """
 
 from __future__ import annotations
@@ -27,21 +29,24 @@ from p2pfusion.client.generate.screen import ScreenedHead
 
 log = logging.getLogger(__name__)
 
-BATCHED_ROWS = 4  # from this many rows, one float32 product costs less than screening each (docs/benchmarks.md)
-TRIALS = 4  # timed calls per thread count and size of call, taking turns, before the faster one is kept
-MARGIN = 0.1  # more threads must be this much faster: they take cores the peers on this host may need
+BATCHED_ROWS = 4  # from this many rows, one product costs less than screening each (docs/benchmarks.md)
+TRIALS = 4  # timed calls per way and size of call, taking turns, before the fastest is kept
+MARGIN = 0.1  # a later way must be this much faster: more threads take cores the peers on this host may need
+
+Way = tuple[int, bool]  # threads, and whether many rows are screened in bfloat16 (else float32)
 
 
-def faster_threads(times: dict[int, list[float]], trials: int = TRIALS) -> int | None:
-    """The fewest threads whose median time is within MARGIN of the best, once every option has
-    `trials` timings (None before)."""
+def kept_way(times: dict[Way, list[float]], trials: int = TRIALS) -> Way | None:
+    """Of the ways in the order given (fewest threads first), the first that no later one beats by
+    more than MARGIN in median time, once every way has `trials` timings (None before)."""
     if not times or any(len(seconds) < trials for seconds in times.values()):
         return None
-    medians = {threads: statistics.median(seconds) for threads, seconds in times.items()}
-    chosen = min(medians)
-    for threads in sorted(medians):
-        if medians[threads] < (1 - MARGIN) * medians[chosen]:
-            chosen = threads
+    medians = {way: statistics.median(seconds) for way, seconds in times.items()}
+    ways = list(medians)
+    chosen = ways[0]
+    for way in ways[1:]:
+        if medians[way] < (1 - MARGIN) * medians[chosen]:
+            chosen = way
     return chosen
 
 
@@ -50,30 +55,34 @@ def size_of(rows: int) -> int:
     return 1 << (min(rows, 8).bit_length() - 1)
 
 
-class HeadThreads:
-    """The one owner of what the head's calls measured, per size of call, and what was kept."""
+class HeadWays:
+    """The one owner of what the head's calls measured, per size of call, and the way kept for it:
+    its thread count, and for calls of BATCHED_ROWS or more, whether the product is screened in
+    bfloat16 (fast where the CPU multiplies it natively, slow elsewhere) or taken in float32."""
 
-    def __init__(self, options: list[int]):
-        self._options = options
-        self._times: dict[int, dict[int, list[float]]] = {}
-        self._kept: dict[int, int] = {}
+    def __init__(self, threads: list[int]):
+        self._threads = threads
+        self._times: dict[int, dict[Way, list[float]]] = {}
+        self._kept: dict[int, Way] = {}
 
-    def threads(self, rows: int) -> int:
+    def way(self, rows: int) -> Way:
         size = size_of(rows)
         if size in self._kept:
             return self._kept[size]
-        times = self._times.setdefault(size, {threads: [] for threads in self._options})
-        return min(times, key=lambda threads: len(times[threads]))  # the options take turns
+        formats = (True, False) if size >= BATCHED_ROWS else (False,)
+        times = self._times.setdefault(size, {(threads, low): [] for threads in self._threads for low in formats})
+        return min(times, key=lambda way: len(times[way]))  # the ways take turns
 
-    def timed(self, rows: int, threads: int, seconds: float) -> None:
+    def timed(self, rows: int, way: Way, seconds: float) -> None:
         size = size_of(rows)
         if size in self._kept:
             return
-        self._times[size][threads].append(seconds)
-        kept = faster_threads(self._times[size])
+        self._times[size][way].append(seconds)
+        kept = kept_way(self._times[size])
         if kept is not None:
             self._kept[size] = kept
-            log.debug("the LM head runs calls of %d+ rows on %d thread(s)", size, kept)
+            log.debug("the LM head runs calls of %d+ rows on %d thread(s)%s", size, kept[0],
+                      ", screened in bfloat16" if kept[1] else "")
 
 
 class HeadBatcher:
@@ -87,7 +96,7 @@ class HeadBatcher:
         self.norm = norm  # hidden states [rows, 1, hidden] -> the final norm's output
         self.exact = exact  # the full float32 head's greedy token for one [1, 1, hidden]
         self._waiting: list[tuple[torch.Tensor, asyncio.Future]] = []
-        self.threads = HeadThreads(sorted({1, torch.get_num_threads()}))
+        self.ways = HeadWays(sorted({1, torch.get_num_threads()}))
 
     async def next_token(self, last: torch.Tensor) -> int:
         """The greedy token after `last` [1, 1, hidden], the last position's hidden states."""
@@ -115,7 +124,7 @@ class HeadBatcher:
 
     def _screened(self, last: torch.Tensor) -> list[int | None]:
         rows, previous = last.shape[0], torch.get_num_threads()
-        threads = self.threads.threads(rows)
+        threads, bfloat16 = way = self.ways.way(rows)
         if threads != previous:
             torch.set_num_threads(threads)
         try:
@@ -124,8 +133,8 @@ class HeadBatcher:
             if rows < BATCHED_ROWS:
                 tokens = [self.screen.next_token(row) for row in normed]
             else:
-                tokens = self.screen.next_tokens(normed)
-            self.threads.timed(rows, threads, time.perf_counter() - started)
+                tokens = self.screen.next_tokens(normed, bfloat16)
+            self.ways.timed(rows, way, time.perf_counter() - started)
             return tokens
         finally:
             if threads != previous:

@@ -1,5 +1,5 @@
-"""Greedy decoding's next token, screened in float16: exactly the token of the float32 LM head, for
-about half its cost on a CPU client.
+"""Greedy decoding's next token, screened in a narrower format: exactly the token of the float32
+LM head, for a fraction of its cost on a CPU client.
 
 On a CPU the head is a matrix-vector product over the whole vocabulary, bound by memory bandwidth:
 113 MB of float32 weights for SmolLM2-135M (7 ms per token here, a sixth of decoding), 2 GB for
@@ -9,27 +9,37 @@ their float32 logits are computed from the float32 rows, and the largest wins. W
 are too close for any float32 summation order to agree on (about 2% of tokens), the caller runs the
 full float32 head, as it always did.
 
-The bound, for row w and input x of length d, with u = 2^-11 (float16 rounding), g = d 2^-24 / (1 -
-d 2^-24) (float32 summation in any order; torch's float16 matrix-vector product accumulates in
-float32 unless reduced-precision reductions are switched on):
+The bound, for row w and input x of length d, with u the format's unit roundoff (2^-11 for
+float16), g = d 2^-24 / (1 - d 2^-24) (float32 summation in any order; torch's float16
+matrix-vector product accumulates in float32 unless reduced-precision reductions are switched on):
     |z16 - z32| <= (2u + u^2 + 2g) sum|w_i x_i| + u |z16| + 2^-24 + sqrt(d) 2^-24 (|w| + |x|),
 the last two terms for float16's subnormals, and sum|w_i x_i| <= |w| |x| (Cauchy-Schwarz), with the row
 norms computed once. A safety factor of 1.5 covers the rounding of the norms themselves.
+
+Several rows at once (`next_tokens`) cost less as one product than screened one by one. Where the
+CPU multiplies bfloat16 natively (AVX512-BF16, AMX), a bfloat16 product of 8 rows took 4 ms here
+against 13 ms in float32, and the same bound holds with u = 2^-8 (bfloat16 keeps float32's
+exponents, so the subnormal terms only add slack), provided the kernel sums the products in
+float32, as oneDNN's and torch's own CPU kernels do. That is checked on this machine, once per
+count of rows, on the call's own data (`_sums_in_float32`); where a bfloat16 product is slower,
+the caller keeps float32 (client/generate/greedy.py measures both).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-U16 = 2.0 ** -11
+U16 = 2.0 ** -11  # float16's unit roundoff
+UBF16 = 2.0 ** -8  # bfloat16's
 F32_TERM = 2.0 ** -24
 SAFETY = 1.5
 FLOAT16_SAFE = 6.0e4  # inputs beyond this would overflow float16: the full head decides
 MAX_CANDIDATES = 64  # past this the screen saves nothing
+CHECKED_ROWS = 2048  # vocabulary rows the check of a bfloat16 kernel compares in float64
 
 
 def summation_error(d: int) -> float:
@@ -42,6 +52,8 @@ class ScreenedHead:
     weight: torch.Tensor  # float32 [vocab, hidden]
     half: torch.Tensor  # its float16 copy
     norms: torch.Tensor  # float32 [vocab]: each row's L2 norm, rounded up
+    brain: torch.Tensor | None = None  # its bfloat16 copy, made when many rows are first screened in it
+    sound: dict[int, bool] = field(default_factory=dict)  # rows -> whether the bfloat16 kernel sums in float32
 
     @classmethod
     def of(cls, weight: torch.Tensor) -> ScreenedHead:
@@ -51,39 +63,25 @@ class ScreenedHead:
 
     def next_token(self, x: torch.Tensor) -> int | None:
         """argmax(weight @ x) for a float32 vector x, or None when only the full head can tell."""
-        d = x.shape[-1]
-        x_norm = float(x.double().norm())
-        if not math.isfinite(x_norm) or float(x.abs().max()) > FLOAT16_SAFE:
+        if not bool(torch.isfinite(x).all()) or float(x.abs().max()) > FLOAT16_SAFE:
             return None
         screened = nn.functional.linear(x.to(torch.float16), self.half).float()
-        if not torch.isfinite(screened).all():
-            return None
-        g = summation_error(d)
-        error = ((2 * U16 + U16 * U16 + 2 * g) * x_norm) * self.norms
-        error += U16 * screened.abs() + F32_TERM + (math.sqrt(d) * F32_TERM) * (self.norms + x_norm)
-        error *= SAFETY
-        best_floor = float((screened - error).max())
-        candidates = torch.nonzero(screened + error >= best_floor).flatten()
-        if candidates.numel() > MAX_CANDIDATES:
-            return None
-        if candidates.numel() == 1:
-            return int(candidates[0])
-        exact = nn.functional.linear(x, self.weight[candidates])
-        top = torch.topk(exact, 2)
-        first, second = candidates[top.indices[0]], candidates[top.indices[1]]
-        # two float32 sums of the same products differ by at most 2g sum|w_i x_i|: a closer pair
-        # might come out in the other order from the full head's own kernel
-        tie = 2 * g * x_norm * float(torch.maximum(self.norms[first], self.norms[second])) * SAFETY
-        if float(top.values[0] - top.values[1]) <= tie:
-            return None
-        return int(first)
+        return self._decide(x[None], screened[None], U16)[0]
 
-
-    def next_tokens(self, x: torch.Tensor) -> list[int | None]:
+    def next_tokens(self, x: torch.Tensor, bfloat16: bool = False) -> list[int | None]:
         """argmax(weight @ x_i) for each float32 row of x [rows, hidden] (None where only the full
-        head can tell). Many rows go as one float32 matrix product, which on a CPU costs less
-        than screening them one by one (docs/benchmarks.md), and whose top two logits are kept
-        only when no float32 summation order could swap them."""
+        head can tell), as one product: screened in bfloat16 when asked and sound here, else in
+        float32, whose top two logits are kept only when no float32 summation order could swap them."""
+        rows = x.shape[0]
+        if bfloat16 and self.sound.get(rows, True):
+            if self.brain is None:
+                self.brain = self.weight.to(torch.bfloat16)
+            low = x.to(torch.bfloat16)
+            screened = nn.functional.linear(low, self.brain)
+            if rows not in self.sound:
+                self.sound[rows] = self._sums_in_float32(low, screened)
+            if self.sound[rows]:
+                return self._decide(x, screened.float(), UBF16)
         # the vocabulary as the left operand: MKL's kernel for a few right-hand columns takes
         # half the time of `linear`'s for 2 to 8 rows here (docs/benchmarks.md)
         logits = (self.weight @ x.T).T
@@ -91,11 +89,57 @@ class ScreenedHead:
         g = summation_error(x.shape[-1])
         tokens: list[int | None] = []
         for row, (values, indices) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
-            x_norm = float(x[row].double().norm())
-            tie = 2 * g * x_norm * float(torch.maximum(self.norms[indices[0]], self.norms[indices[1]])) * SAFETY
-            sure = math.isfinite(values[0]) and math.isfinite(values[1]) and values[0] - values[1] > tie
-            tokens.append(indices[0] if sure else None)
+            sure = math.isfinite(values[0]) and math.isfinite(values[1])
+            tokens.append(indices[0] if sure and self._apart(values[0] - values[1], indices, x[row], g) else None)
         return tokens
+
+    def _decide(self, x: torch.Tensor, screened: torch.Tensor, u: float) -> list[int | None]:
+        """Each row's token from its screened logits [rows, vocab], rounded with unit roundoff `u`."""
+        d = x.shape[-1]
+        g = summation_error(d)
+        x_norms = x.double().norm(dim=1)
+        finite = (torch.isfinite(screened).all(dim=1) & torch.isfinite(x_norms)).tolist()
+        norm = x_norms.float()
+        tail = math.sqrt(d) * F32_TERM
+        error = torch.outer(SAFETY * ((2 * u + u * u + 2 * g) * norm + tail), self.norms)
+        error += (SAFETY * (F32_TERM + tail * norm))[:, None]
+        error.add_(screened.abs(), alpha=SAFETY * u)
+        floors = (screened - error).amax(dim=1, keepdim=True)
+        reach = screened + error >= floors
+        counts = reach.sum(dim=1).tolist()
+        tokens: list[int | None] = []
+        for row in range(x.shape[0]):
+            if not finite[row] or counts[row] > MAX_CANDIDATES:
+                tokens.append(None)
+                continue
+            candidates = torch.nonzero(reach[row]).flatten()
+            if counts[row] == 1:
+                tokens.append(int(candidates[0]))
+                continue
+            exact = nn.functional.linear(x[row], self.weight[candidates])
+            top = torch.topk(exact, 2)
+            first, second = int(candidates[top.indices[0]]), int(candidates[top.indices[1]])
+            gap = float(top.values[0] - top.values[1])
+            tokens.append(first if self._apart(gap, (first, second), x[row], g) else None)
+        return tokens
+
+    def _apart(self, gap: float, pair, x: torch.Tensor, g: float) -> bool:
+        """Whether the best two float32 logits are far enough apart that no float32 summation
+        order could swap them: two sums of the same products differ by at most 2g sum|w_i x_i|,
+        and the full head's own kernel may sum in another order than this product did."""
+        x_norm = float(x.double().norm())
+        tie = 2 * g * x_norm * float(torch.maximum(self.norms[pair[0]], self.norms[pair[1]])) * SAFETY
+        return gap > tie
+
+    def _sums_in_float32(self, low: torch.Tensor, screened: torch.Tensor) -> bool:
+        """Whether this bfloat16 product's results lie within float32 summation's bound (and their
+        own rounding to bfloat16) of the exact products of the rounded operands, on the first
+        CHECKED_ROWS vocabulary rows: a kernel that sums or multiplies in bfloat16 errs by far more."""
+        w, x = self.brain[:CHECKED_ROWS].double(), low.double()
+        exact = x @ w.T
+        spread = x.abs() @ w.abs().T
+        allowed = SAFETY * (summation_error(x.shape[-1]) * spread + UBF16 * exact.abs()) + 2.0 ** -126
+        return bool(((screened[:, :CHECKED_ROWS].double() - exact).abs() <= allowed).all())
 
 
 def screened_head(model: nn.Module) -> ScreenedHead | None:
