@@ -4,9 +4,11 @@
 The default model on 3 peer processes on 127.0.0.1 (a third of the layers each). For each prompt,
 greedy generations with drafts (`speculate="auto"`) and without (`"off"`) alternate, so load from
 other tenants of the machine hits both alike; both must give the same tokens. Two kinds of
-prompt: answers that repeat their context (quote, edit code, list back), where drafts from the
-text stand, and free-form chat, where they rarely do and drafting must cost next to nothing.
-Decode speed is (tokens - 1) / decode time (the prefill excluded, as both sides share it). Beside
+prompt: answers that repeat their context (quote, summarise, edit code with and without an
+explanation, list back), where drafts from the text stand, and free-form chat, where they rarely
+do and drafting must cost next to nothing. Generations stop at the end of the answer (EOS), as
+users' do, or after --tokens. Decode speed is (tokens - 1) / decode time (the prefill excluded,
+as both sides share it). Beside
 each, the most tokens per step prompt lookup could give on that answer (`lookup_bound`): drafts
 stand only where the answer repeats its context, whatever the policy.
 Usage: python scripts/bench_speculative.py [--tokens 96] [--runs 3] [--peers 3]
@@ -39,7 +41,12 @@ REPEATING = {
     "quote": "Repeat the following text exactly, word for word:\n\nThe lighthouse stood on the northern cliff for two "
              "hundred years. Every night its keeper climbed the hundred and twelve steps, lit the lamp, and watched "
              "the ships pass safely between the rocks.",
+    "summarise": "Summarise this paragraph in one sentence: The lighthouse stood on the northern cliff for two "
+                 "hundred years. Every night its keeper climbed the hundred and twelve steps, lit the lamp, and "
+                 "watched the ships pass safely between the rocks.",
     "edit code": f"Fix the bug in this Python function and write out the whole corrected function:\n\n{CODE}",
+    "edit, code only": "Fix the bug in this Python function. Reply with only the corrected code, no explanation:"
+                       f"\n\n```python\n{CODE}```",
     "list back": "Here is a shopping list: apples, bread, milk, eggs, butter, cheese, rice, tomatoes, onions, "
                  "coffee. Write the same list again as a numbered list.",
 }
@@ -64,7 +71,7 @@ def lookup_bound(ids: list[int], answer: list[int], k: int = MAX_DRAFTS) -> floa
 async def generate(model: RemoteCausalLM, ids: list[int], tokens: int):
     conversation = Conversation(model, keep=False)
     try:
-        result = await conversation.generate(ids, tokens, stop_at_eos=False)
+        result = await conversation.generate(ids, tokens)
     finally:
         await conversation.close()
     sent, stood = (0, 0) if conversation.speculation is None else (conversation.speculation.sent, conversation.speculation.stood)
@@ -120,7 +127,7 @@ def main() -> None:
         for name in names:
             ratio = [s / p for s, p in zip(r[name]["spec"], r[name]["plain"])]
             ratios += ratio
-            print(f"  {group:<9} {name:<10} drafts {med(r[name]['spec']):5.1f} tok/s, plain {med(r[name]['plain']):5.1f} "
+            print(f"  {group:<9} {name:<16} drafts {med(r[name]['spec']):5.1f} tok/s, plain {med(r[name]['plain']):5.1f} "
                   f"tok/s, ratio {med(ratio):.2f} (runs {', '.join(f'{x:.2f}' for x in ratio)}), "
                   f"{med(r[name]['per_step']):.2f} tokens per step (lookup's bound {med(r[name]['bound']):.2f}), "
                   f"{100 * med(r[name]['stood']):.0f}% of drafts stood")

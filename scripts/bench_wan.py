@@ -16,7 +16,8 @@ R = 0 (each hop's compute, the links' own cost and the client's head, measured i
 - spec: at --spec-rtt, speculative decoding against plain on prompts whose answer repeats its
   context and on free chat (targets 1.8x and 0.95x at 50 ms): drafts looked up in the text, and,
   with --draft-layers N, drafts from a draft model made of the default model's first N layers and
-  its head (N = all its layers: a drafter that always agrees, the upper bound).
+  its head (N = all its layers: a drafter that always agrees, the upper bound). Generations stop at
+  the answer's end (EOS), as users' do, or after --spec-tokens.
 - failover: at --spec-rtt, fresh swarms whose stage peer is killed (SIGKILL; with --freeze, SIGSTOP
   to it and its libp2p daemon: a host suspended, its connections open) after 12 tokens, with a
   warm `--backup` and without one (the peer that alone serves its layers dies, and a peer must move); the stall is the longest gap between tokens
@@ -57,10 +58,10 @@ from bench_speculative import FREE, REPEATING, lookup_bound
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
-async def decode(model: RemoteCausalLM, ids: list[int], tokens: int):
+async def decode(model: RemoteCausalLM, ids: list[int], tokens: int, stop_at_eos: bool = False):
     conversation = Conversation(model, keep=False)
     try:
-        return await conversation.generate(ids, tokens, stop_at_eos=False)
+        return await conversation.generate(ids, tokens, stop_at_eos=stop_at_eos)
     finally:
         await conversation.close()
 
@@ -134,9 +135,9 @@ async def speculation(wan: WanSwarm, plain: RemoteCausalLM, drafters: dict[str, 
     for group, prompts in (("repeating", REPEATING), ("free-form", FREE)):
         for name, text in prompts.items():
             ids = plain.encode(text, chat=True)
-            slow = await decode(plain, ids, args.spec_tokens)
+            slow = await decode(plain, ids, args.spec_tokens, stop_at_eos=True)  # the answer, as a user gets it
             for drafter, model in drafters.items():
-                fast = await decode(model, ids, args.spec_tokens)
+                fast = await decode(model, ids, args.spec_tokens, stop_at_eos=True)
                 if fast.token_ids != slow.token_ids:
                     raise SystemExit(f"{name}: speculative decoding ({drafter}) changed the text")
                 ratio = slow.decode_seconds / fast.decode_seconds

@@ -10,7 +10,7 @@ import torch
 import uvloop
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.client.generate.greedy import TRIALS, HeadWays, kept_way
+from p2pfusion.client.generate.greedy import REVISIT, TRIALS, HeadWays, kept_way
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.threads import DecodeSettings, StepCost, choose_decode_settings, shares_host, thread_options
@@ -139,5 +139,15 @@ def test_the_client_head_keeps_the_way_its_own_calls_found_faster():
             head.timed(rows, way, seconds[rows, way])
     assert head.way(1) == (1, False) and head.way(8) == (1, True) and head.way(4) == (2, False)
     assert head.way(12) == (1, True)  # 8 rows or more are one size
+    # the hour changes: waking a second thread is cheap now, and the head notices within a few revisits
+    seconds[1, (2, False)] = 1.5e-3
+    ways = []
+    for _ in range(REVISIT * (TRIALS + 1)):
+        way = head.way(1)
+        ways.append(way)
+        head.timed(1, way, seconds[1, way])
+    assert head.way(1) == (2, False)
+    assert ways[:REVISIT].count((2, False)) <= 1  # before, one call in REVISIT tried it
+    assert ways[-2 * REVISIT:].count((1, False)) <= 2  # after, one call in REVISIT tries the old way
     assert kept_way({(1, False): [1.0] * TRIALS, (2, False): [0.95] * TRIALS}) == (1, False)  # within the margin
     assert kept_way({(1, False): [1.0] * TRIALS, (2, False): [0.5] * (TRIALS - 1)}) is None  # still trying

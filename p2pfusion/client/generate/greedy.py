@@ -21,7 +21,8 @@ import asyncio
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,13 +31,14 @@ from p2pfusion.client.generate.screen import ScreenedHead
 log = logging.getLogger(__name__)
 
 BATCHED_ROWS = 4  # from this many rows, one product costs less than screening each (docs/benchmarks.md)
-TRIALS = 4  # timed calls per way and size of call, taking turns, before the fastest is kept
+TRIALS = 4  # the latest timings per way and size of call that decide, taking turns before the first decision
 MARGIN = 0.1  # a later way must be this much faster: more threads take cores the peers on this host may need
+REVISIT = 32  # once decided, one call in this many takes another way, so the timings follow the machine
 
 Way = tuple[int, bool]  # threads, and whether many rows are screened in bfloat16 (else float32)
 
 
-def kept_way(times: dict[Way, list[float]], trials: int = TRIALS) -> Way | None:
+def kept_way(times: dict[Way, Sequence[float]], trials: int = TRIALS) -> Way | None:
     """Of the ways in the order given (fewest threads first), the first that no later one beats by
     more than MARGIN in median time, once every way has `trials` timings (None before)."""
     if not times or any(len(seconds) < trials for seconds in times.values()):
@@ -58,28 +60,40 @@ def size_of(rows: int) -> int:
 class HeadWays:
     """The one owner of what the head's calls measured, per size of call, and the way kept for it:
     its thread count, and for calls of BATCHED_ROWS or more, whether the product is screened in
-    bfloat16 (fast where the CPU multiplies it natively, slow elsewhere) or taken in float32."""
+    bfloat16 (fast where the CPU multiplies it natively, slow elsewhere) or taken in float32. What
+    is fastest moves with the machine's load and with what waking a thread costs at the hour, so
+    the decision stands on each way's latest TRIALS timings, and the other ways are timed again now
+    and then (one call in REVISIT, in turn)."""
 
     def __init__(self, threads: list[int]):
         self._threads = threads
-        self._times: dict[int, dict[Way, list[float]]] = {}
+        self._times: dict[int, dict[Way, deque[float]]] = {}
         self._kept: dict[int, Way] = {}
+        self._calls: dict[int, int] = {}  # timed calls per size since its first decision
 
     def way(self, rows: int) -> Way:
         size = size_of(rows)
-        if size in self._kept:
-            return self._kept[size]
-        formats = (True, False) if size >= BATCHED_ROWS else (False,)
-        times = self._times.setdefault(size, {(threads, low): [] for threads in self._threads for low in formats})
-        return min(times, key=lambda way: len(times[way]))  # the ways take turns
+        times = self._times.get(size)
+        if times is None:
+            formats = (True, False) if size >= BATCHED_ROWS else (False,)
+            times = self._times[size] = {(threads, low): deque(maxlen=TRIALS) for threads in self._threads for low in formats}
+        kept = self._kept.get(size)
+        if kept is None:
+            return min(times, key=lambda way: len(times[way]))  # the ways take turns
+        calls = self._calls[size]
+        others = [way for way in times if way != kept]
+        if others and calls % REVISIT == REVISIT - 1:
+            return others[calls // REVISIT % len(others)]
+        return kept
 
     def timed(self, rows: int, way: Way, seconds: float) -> None:
         size = size_of(rows)
-        if size in self._kept:
-            return
         self._times[size][way].append(seconds)
+        if size in self._kept:
+            self._calls[size] += 1
         kept = kept_way(self._times[size])
-        if kept is not None:
+        if kept is not None and kept != self._kept.get(size):
+            self._calls.setdefault(size, 0)
             self._kept[size] = kept
             log.debug("the LM head runs calls of %d+ rows on %d thread(s)%s", size, kept[0],
                       ", screened in bfloat16" if kept[1] else "")
