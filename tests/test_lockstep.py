@@ -105,3 +105,52 @@ def test_a_member_that_leaves_does_not_hold_its_cohort(monkeypatch, leaving):
     moments = _moments(log, {"a"})
     assert moments[-1] - moments[0] < 9 * 0.02 + 0.1
     assert not lockstep._cohorts
+
+
+def test_cohort_counts_take_turns_then_keep_the_faster_and_revisit_the_other():
+    counts = lockstep_module.CohortCounts((1, 2))
+    rates = {1: 100.0, 2: 60.0}
+    seen = []
+    for _ in range(4 * lockstep_module.REVISIT_WINDOWS):
+        count = counts.count(8)
+        seen.append(count)
+        counts.measured(8, count, rates[count])
+    assert seen[:4] == [1, 2, 1, 2]  # turns until each has WINDOWS windows
+    assert counts.count(8) == 1 and counts.count(12) == 1  # 8 or more sessions are one size
+    assert seen[4:].count(2) <= len(seen[4:]) // lockstep_module.REVISIT_WINDOWS + 1  # the other, now and then
+    assert counts.count(4) == 1  # 4-7 sessions are measured apart, from the start
+    counts.measured(4, 1, 50.0)
+    assert counts.count(5) == 2
+    rates[2] = 200.0  # the machine changes (its peers got cores of their own): the revisits notice
+    for _ in range(4 * lockstep_module.REVISIT_WINDOWS):
+        count = counts.count(8)
+        counts.measured(8, count, rates[count])
+    assert counts.count(8) == 2
+
+
+@pytest.mark.parametrize("faster", [1, 2])
+def test_a_group_of_sessions_settles_on_the_cohort_count_that_steps_faster(monkeypatch, faster):
+    """Eight sessions whose steps take 10 ms in the faster count's cohorts and 40 ms in the other's
+    (as where peers share the client's cores, or have their own): the group measures both counts
+    and ends in the faster."""
+    monkeypatch.setattr(lockstep_module, "WINDOW", 0.06)
+    lockstep = Lockstep()
+    counts_seen = []
+
+    async def session():
+        with lockstep.member() as member:
+            end = asyncio.get_running_loop().time() + 1.5
+            while asyncio.get_running_loop().time() < end:
+                await member.turn()
+                count = len(lockstep._cohorts[member.cohort.key])
+                counts_seen.append(count)
+                await asyncio.sleep(0.01 if count == faster else 0.04)
+
+    async def main():
+        await asyncio.gather(*(session() for _ in range(8)))
+
+    asyncio.run(main())
+    assert set(counts_seen[:len(counts_seen) // 4]) == {1, 2}  # both were measured
+    late = counts_seen[-len(counts_seen) // 4:]
+    assert late.count(faster) >= 0.8 * len(late), (faster, late)
+    assert not lockstep._cohorts

@@ -8,31 +8,43 @@ the client chooses their tokens as one head product (client/generate/greedy.py),
 first peer in one burst, and every peer runs them as one batch and passes them on as one burst
 (peer/scheduler.py starts a batch as soon as the sessions it last ran together are back).
 
-There are two cohorts, not one: while one is in the swarm the other is at the client's head, so
-the client's work and the peers' overlap instead of taking turns; where peers have machines of
-their own, the two also keep twice as many of them busy. (On this project's 2-core machine, with
-three peers on it, one cohort and two gave the same tokens/s at 8 sessions and three less,
-docs/benchmarks.md.) A new session joins the smaller
-cohort and waits, at most about one cycle, for it to come back, so that it falls in step; a member
-that comes back late is not waited for long once most of its cohort is back.
+Two cohorts instead of one let the client's work and the peers' overlap: while one is in the
+swarm the other is at the client's head, and where peers have machines of their own, the two keep
+twice as many of them busy. Where the peers share the client's cores, one cohort runs bigger
+batches on them, and two collide there and split up (on this project's 2-core machine, with three
+peers on it, one cohort of 8 sessions gave 96-101 tokens/s where two gave 85-93,
+docs/benchmarks.md). So the client measures both: `CohortCounts` keeps the member steps per second
+each count gave, over windows in which the same sessions decoded, and runs the faster, trying the
+other again now and then. A new session joins the smaller cohort and waits, at most about one
+cycle, for it to come back, so that it falls in step; a member that comes back late is not waited
+for long once most of its cohort is back.
 
-`Lockstep` holds the cohorts' state and its timers; `arrived`, `cohort_for` and `STRAGGLER` are
-its policy, pure.
+`Lockstep` holds the cohorts' state and its timers; `arrived`, `cohort_for`, `STRAGGLER` and
+`CohortCounts` are its policy, pure.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import statistics
 import time
-from collections.abc import Hashable, Iterator
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
 
 COHORTS = 2
 MIN_COHORT = 2  # a second cohort starts once the first has this many members
 STRAGGLER = 0.005  # seconds a cohort waits for its last members once most are back
 FIRST_CYCLE = 0.25  # seconds a joining member waits for a cohort whose cycle is not timed yet
 JOIN_CYCLES = 1.5  # a joining member waits at most this many of its cohort's cycles
+COUNTS = (1, COHORTS)  # the cohort counts a client measures, unless told one
+WINDOW = 2.0  # seconds of steps that measure a count
+WINDOWS = 2  # the latest windows of each count that decide, per size of group
+REVISIT_WINDOWS = 8  # once decided, one window in this many runs the other count again
 
 
 def cohort_for(sizes: list[int], cohorts: int = COHORTS) -> int | None:
@@ -54,6 +66,53 @@ def arrived(members: int, back: int) -> str:
     return "straggler" if 2 * back > members else "cycle"
 
 
+def group_size(members: int) -> int:
+    """Groups of 1, 2-3, 4-7 and 8 or more decoding sessions are measured apart."""
+    return 1 << (min(members, 8).bit_length() - 1)
+
+
+class CohortCounts:
+    """The one owner of what each cohort count gave, per size of group: member steps per second
+    over windows of WINDOW seconds, the latest WINDOWS of each; the counts take turns until each
+    has them, then the faster runs, and one window in REVISIT_WINDOWS runs another."""
+
+    def __init__(self, counts: tuple[int, ...] = COUNTS):
+        self._counts = counts
+        self._rates: dict[int, dict[int, deque[float]]] = {}
+        self._windows: dict[int, int] = {}  # windows measured per size since its first decision
+
+    def _of(self, size: int) -> dict[int, deque[float]]:
+        return self._rates.setdefault(size, {count: deque(maxlen=WINDOWS) for count in self._counts})
+
+    def count(self, members: int) -> int:
+        size = group_size(members)
+        rates = self._of(size)
+        if any(len(seen) < WINDOWS for seen in rates.values()):
+            return min(rates, key=lambda count: len(rates[count]))
+        best = max(rates, key=lambda count: statistics.median(rates[count]))
+        windows, others = self._windows.get(size, 0), [count for count in rates if count != best]
+        if others and windows % REVISIT_WINDOWS == REVISIT_WINDOWS - 1:
+            return others[windows // REVISIT_WINDOWS % len(others)]
+        return best
+
+    def measured(self, members: int, count: int, rate: float) -> None:
+        size = group_size(members)
+        rates = self._of(size)
+        rates[count].append(rate)
+        if all(len(seen) == WINDOWS for seen in rates.values()):
+            self._windows[size] = self._windows.get(size, 0) + 1
+
+
+@dataclass
+class _Window:
+    """Member steps released in a group since `start`, while it had `members` members."""
+
+    start: float
+    members: int
+    count: int
+    steps: int = 0
+
+
 @dataclass(eq=False)
 class _Cohort:
     key: tuple[asyncio.AbstractEventLoop, Hashable]  # the loop its futures belong to, and its kind
@@ -64,6 +123,7 @@ class _Cohort:
     cycle: float | None = None  # seconds between its releases, lately
     timer: asyncio.TimerHandle | None = None
     timing: str = ""  # what the timer waits for: "straggler" or "cycle"
+    on_release: Callable[[int], None] = lambda steps: None  # told how many members each release let go
 
     def wait(self, state: str) -> None:
         if self.timer is not None and self.timing == state:
@@ -88,6 +148,7 @@ class _Cohort:
         for future in waiting.values():
             if not future.done():
                 future.set_result(None)
+        self.on_release(len(waiting))
 
 
 class Member:
@@ -107,11 +168,15 @@ class Member:
 
 
 class Lockstep:
-    def __init__(self, cohorts: int = COHORTS):
-        self.cohorts = cohorts
+    def __init__(self, cohorts: int | None = None):
+        """`cohorts`: how many cohorts a group of sessions steps in (None: measured, `CohortCounts`)."""
+        self._fixed = cohorts
+        self.counts = CohortCounts() if cohorts is None else None
         # per event loop (a model may serve sessions from more than one; futures and timers belong
         # to one) and per kind of session (only sessions of one kind run as one batch on a peer)
         self._cohorts: dict[tuple[asyncio.AbstractEventLoop, Hashable], list[_Cohort]] = {}
+        self._windows: dict[tuple[asyncio.AbstractEventLoop, Hashable], _Window] = {}
+        self._count: dict[tuple[asyncio.AbstractEventLoop, Hashable], int] = {}  # what each group runs now
 
     @contextmanager
     def member(self, kind: Hashable = None) -> Iterator[Member]:
@@ -131,9 +196,10 @@ class Lockstep:
         loop = asyncio.get_running_loop()
         cohort = member.cohort
         if cohort is None:
-            cohorts = self._cohorts.setdefault((loop, member.kind), [])
-            index = cohort_for([len(c.members) for c in cohorts], self.cohorts)
-            cohort = _Cohort((loop, member.kind)) if index is None else cohorts[index]
+            key = (loop, member.kind)
+            cohorts = self._cohorts.setdefault(key, [])
+            index = cohort_for([len(c.members) for c in cohorts], self._counted(key))
+            cohort = self._new_cohort(key) if index is None else cohorts[index]
             if index is None:
                 cohorts.append(cohort)
             cohort.members.add(member)
@@ -142,6 +208,62 @@ class Lockstep:
         cohort.waiting[member] = future
         self._decide(cohort)
         await future
+
+    def _counted(self, key) -> int:
+        if self._fixed is not None:
+            return self._fixed
+        if key not in self._count:
+            self._count[key] = self.counts.count(self._members(key) + 1)
+        return self._count[key]
+
+    def _members(self, key) -> int:
+        return sum(len(c.members) for c in self._cohorts.get(key, ()))
+
+    def _new_cohort(self, key) -> _Cohort:
+        cohort = _Cohort(key)
+        cohort.on_release = lambda steps: self._released(key, steps)
+        return cohort
+
+    def _released(self, key, steps: int) -> None:
+        """Count a release toward the group's window; at a window's end, record its rate and run the
+        count `CohortCounts` says next. A window in which sessions joined or left measures nothing."""
+        if self.counts is None:
+            return
+        now, members = time.perf_counter(), self._members(key)
+        window = self._windows.get(key)
+        if window is None or window.members != members or window.count != self._counted(key):
+            self._windows[key] = _Window(now, members, self._counted(key))
+            return
+        window.steps += steps
+        if now - window.start < WINDOW:
+            return
+        self.counts.measured(members, window.count, window.steps / (now - window.start))
+        count = self.counts.count(members)
+        if count != window.count:
+            log.debug("%d decoding sessions step in %d cohort(s)", members, count)
+            self._count[key] = count
+            self._regroup(key, count)
+        self._windows[key] = _Window(now, members, count)
+
+    def _regroup(self, key, count: int) -> None:
+        """The group's members dealt into `count` cohorts; those waiting at the gate wait at their new
+        cohort's, and the rest join theirs as they come back."""
+        old = self._cohorts[key]
+        members = [member for cohort in old for member in cohort.members]
+        waiting = {member: future for cohort in old for member, future in cohort.waiting.items()}
+        for cohort in old:
+            if cohort.timer is not None:
+                cohort.timer.cancel()
+        new = [self._new_cohort(key) for _ in range(min(count, len(members)))]
+        for i, member in enumerate(members):
+            cohort = new[i % len(new)]
+            cohort.members.add(member)
+            member.cohort = cohort
+            if member in waiting:
+                cohort.waiting[member] = waiting[member]
+        self._cohorts[key] = new
+        for cohort in new:
+            self._decide(cohort)
 
     def _decide(self, cohort: _Cohort) -> None:
         if not cohort.waiting:
@@ -169,3 +291,5 @@ class Lockstep:
         cohorts.remove(cohort)
         if not cohorts:
             del self._cohorts[cohort.key]
+            self._windows.pop(cohort.key, None)
+            self._count.pop(cohort.key, None)
