@@ -111,11 +111,12 @@ def test_cohort_counts_take_turns_then_keep_the_faster_and_revisit_the_other():
     counts = lockstep_module.CohortCounts((1, 2))
     rates = {1: 100.0, 2: 60.0}
     seen = []
+    count = None
     for _ in range(4 * lockstep_module.REVISIT_WINDOWS):
-        count = counts.count(8)
+        count = counts.count(8, count)
         seen.append(count)
         counts.measured(8, count, rates[count])
-    assert seen[:4] == [1, 2, 1, 2]  # turns until each has WINDOWS windows
+    assert seen[:4] == [1, 1, 2, 2]  # each in turn until it has WINDOWS windows, changing as little as can be
     assert counts.count(8) == 1 and counts.count(12) == 1  # 8 or more sessions are one size
     assert seen[4:].count(2) <= len(seen[4:]) // lockstep_module.REVISIT_WINDOWS + 1  # the other, now and then
     assert counts.count(4) == 1  # 4-7 sessions are measured apart, from the start
@@ -154,3 +155,19 @@ def test_a_group_of_sessions_settles_on_the_cohort_count_that_steps_faster(monke
     late = counts_seen[-len(counts_seen) // 4:]
     assert late.count(faster) >= 0.8 * len(late), (faster, late)
     assert not lockstep._cohorts
+
+
+def test_a_client_starts_from_the_cohort_counts_it_measured_last(tmp_path, monkeypatch):
+    monkeypatch.setenv("P2PFUSION_CACHE", str(tmp_path))
+    counts = lockstep_module.CohortCounts((1, 2))
+    for count, rate in [(1, 100.0), (1, 96.0), (2, 80.0), (2, 85.0)]:
+        counts.measured(8, count, rate)
+    lockstep_module.save_counts("some-model", counts)
+    again = lockstep_module.load_counts("some-model")
+    assert again.count(8, 2) == 1 and again.to_json() == counts.to_json()
+    assert lockstep_module.load_counts("another-model").count(8) == 1  # nothing measured: turns, from one
+    path = tmp_path / "cohorts" / "some-model.json"
+    path.write_text('{"8": {"1": [1e400, -3, "x", 50.0], "9": [1.0]}, "7": {"1": [1.0]}, "x": 3}')
+    assert lockstep_module.load_counts("some-model").to_json() == {"8": {"1": [50.0], "2": []}}  # the rest left out
+    path.write_text("not json")
+    assert lockstep_module.load_counts("some-model").to_json() == {}

@@ -23,7 +23,7 @@ from p2pfusion.client.generate.conversation import Conversation, Generated
 from p2pfusion.client.generate.draft_model import DraftModel
 from p2pfusion.client.generate.greedy import HeadBatcher
 from p2pfusion.client.generate.local_layers import LocalLayers
-from p2pfusion.client.generate.lockstep import Lockstep
+from p2pfusion.client.generate.lockstep import Lockstep, load_counts, save_counts
 from p2pfusion.client.generate.sampling import choose_token, nucleus
 from p2pfusion.client.generate.screen import screened_head
 from p2pfusion.client.options import ClientOptions
@@ -49,7 +49,8 @@ class RemoteCausalLM:
         self.local = LocalLayers(core)  # at least the first options.local_layers layers run here
         # greedy tokens through bounds on the head's logits (generate/screen.py); False: not built yet
         self._heads: HeadBatcher | None | bool = False if core.options.screen_head else None
-        self.lockstep = Lockstep()  # decoding sessions step together (generate/lockstep.py)
+        # decoding sessions step together (generate/lockstep.py), in as many cohorts as measured here last
+        self.lockstep = Lockstep(counts=load_counts(core.source.key))
         self.canaries = Canaries(core, self.speculates)  # sessions of its own, sent after generations (generate/canary.py)
         self._markers: list[str] | None = None  # the tokenizer's added tokens' texts (generate/template.py)
         self._longest_token: int | None = None
@@ -191,6 +192,12 @@ class RemoteCausalLM:
                 return out
             await verifier.rewind(0)
         raise RouteError(f"results failed verification {MAX_REWINDS} times in one forward pass")
+
+    def save_measured(self) -> None:
+        """Keep what this client measured for its next run: the peers' speeds, the cohort counts."""
+        self.core.save_observed()
+        if self.lockstep.counts is not None:
+            save_counts(self.core.source.key, self.lockstep.counts)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

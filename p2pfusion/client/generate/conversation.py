@@ -323,4 +323,4 @@ class Conversation:
             await verifier.close()
         if session is not None:
             await session.close()
-            self.model.core.save_observed()
+            self.model.save_measured()

@@ -26,13 +26,18 @@ for long once most of its cohort is back.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import math
 import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from p2pfusion.models.source import cache_root, safe_name
 
 log = logging.getLogger(__name__)
 
@@ -74,20 +79,45 @@ def group_size(members: int) -> int:
 class CohortCounts:
     """The one owner of what each cohort count gave, per size of group: member steps per second
     over windows of WINDOW seconds, the latest WINDOWS of each; the counts take turns until each
-    has them, then the faster runs, and one window in REVISIT_WINDOWS runs another."""
+    has them (the one running first), then the faster runs, and one window in REVISIT_WINDOWS runs
+    another."""
 
     def __init__(self, counts: tuple[int, ...] = COUNTS):
         self._counts = counts
         self._rates: dict[int, dict[int, deque[float]]] = {}
         self._windows: dict[int, int] = {}  # windows measured per size since its first decision
+        self.changed = False  # measured since last saved
+
+    def to_json(self) -> dict:
+        return {str(size): {str(count): list(seen) for count, seen in rates.items()} for size, rates in self._rates.items()}
+
+    @classmethod
+    def from_json(cls, raw: object) -> CohortCounts:
+        """Counts as `to_json` wrote them; what is not a size, a count or a rate this code knows is left out."""
+        counts = cls()
+        if not isinstance(raw, dict):
+            return counts
+        for size, rates in raw.items():
+            if size not in {str(group_size(n)) for n in range(1, 9)} or not isinstance(rates, dict):
+                continue
+            for count, seen in rates.items():
+                if count not in {str(c) for c in counts._counts} or not isinstance(seen, list):
+                    continue
+                valid = [float(r) for r in seen if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
+                counts._of(int(size))[int(count)].extend(valid[-WINDOWS:])
+        return counts
 
     def _of(self, size: int) -> dict[int, deque[float]]:
         return self._rates.setdefault(size, {count: deque(maxlen=WINDOWS) for count in self._counts})
 
-    def count(self, members: int) -> int:
+    def count(self, members: int, current: int | None = None) -> int:
+        """The count to run next for a group of `members`, which runs `current` now (each change
+        costs the sessions a moment out of step, so trials stay with it while it needs windows)."""
         size = group_size(members)
         rates = self._of(size)
         if any(len(seen) < WINDOWS for seen in rates.values()):
+            if current in rates and len(rates[current]) < WINDOWS:
+                return current
             return min(rates, key=lambda count: len(rates[count]))
         best = max(rates, key=lambda count: statistics.median(rates[count]))
         windows, others = self._windows.get(size, 0), [count for count in rates if count != best]
@@ -99,8 +129,35 @@ class CohortCounts:
         size = group_size(members)
         rates = self._of(size)
         rates[count].append(rate)
+        self.changed = True
         if all(len(seen) == WINDOWS for seen in rates.values()):
             self._windows[size] = self._windows.get(size, 0) + 1
+
+
+def _counts_path(model: str) -> Path:
+    return cache_root() / "cohorts" / f"{safe_name(model)}.json"
+
+
+def load_counts(model: str) -> CohortCounts:
+    """What a client of `model` on this machine measured last, so that its next run starts decided."""
+    try:
+        return CohortCounts.from_json(json.loads(_counts_path(model).read_text()))
+    except (OSError, ValueError):
+        return CohortCounts()
+
+
+def save_counts(model: str, counts: CohortCounts) -> None:
+    if not counts.changed:
+        return
+    path = _counts_path(model)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(counts.to_json()))
+        tmp.replace(path)
+        counts.changed = False
+    except OSError as exc:  # a read-only cache must not fail a generation
+        log.warning("cannot save the cohort counts measured to %s: %s", path, exc)
 
 
 @dataclass
@@ -168,10 +225,10 @@ class Member:
 
 
 class Lockstep:
-    def __init__(self, cohorts: int | None = None):
-        """`cohorts`: how many cohorts a group of sessions steps in (None: measured, `CohortCounts`)."""
+    def __init__(self, cohorts: int | None = None, counts: CohortCounts | None = None):
+        """`cohorts`: how many cohorts a group of sessions steps in (None: measured, `counts`)."""
         self._fixed = cohorts
-        self.counts = CohortCounts() if cohorts is None else None
+        self.counts = (counts or CohortCounts()) if cohorts is None else None
         # per event loop (a model may serve sessions from more than one; futures and timers belong
         # to one) and per kind of session (only sessions of one kind run as one batch on a peer)
         self._cohorts: dict[tuple[asyncio.AbstractEventLoop, Hashable], list[_Cohort]] = {}
@@ -227,9 +284,9 @@ class Lockstep:
     def _released(self, key, steps: int) -> None:
         """Count a release toward the group's window; at a window's end, record its rate and run the
         count `CohortCounts` says next. A window in which sessions joined or left measures nothing."""
-        if self.counts is None:
-            return
         now, members = time.perf_counter(), self._members(key)
+        if self.counts is None or members <= MIN_COHORT:  # one cohort, whatever the count
+            return
         window = self._windows.get(key)
         if window is None or window.members != members or window.count != self._counted(key):
             self._windows[key] = _Window(now, members, self._counted(key))
@@ -238,7 +295,7 @@ class Lockstep:
         if now - window.start < WINDOW:
             return
         self.counts.measured(members, window.count, window.steps / (now - window.start))
-        count = self.counts.count(members)
+        count = self.counts.count(members, window.count)
         if count != window.count:
             log.debug("%d decoding sessions step in %d cohort(s)", members, count)
             self._count[key] = count
@@ -254,7 +311,11 @@ class Lockstep:
         for cohort in old:
             if cohort.timer is not None:
                 cohort.timer.cancel()
-        new = [self._new_cohort(key) for _ in range(min(count, len(members)))]
+        cycles = [cohort.cycle for cohort in old if cohort.cycle is not None]
+        # as `cohort_for` deals them: a second cohort once the first has MIN_COHORT members
+        new = [self._new_cohort(key) for _ in range(max(1, min(count, -(-len(members) // MIN_COHORT))))]
+        for cohort in new:  # the members still out come back within about the cycle they had
+            cohort.cycle = max(cycles, default=None)
         for i, member in enumerate(members):
             cohort = new[i % len(new)]
             cohort.members.add(member)
