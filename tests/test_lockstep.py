@@ -171,3 +171,25 @@ def test_a_client_starts_from_the_cohort_counts_it_measured_last(tmp_path, monke
     assert lockstep_module.load_counts("some-model").to_json() == {"8": {"1": [50.0], "2": []}}  # the rest left out
     path.write_text("not json")
     assert lockstep_module.load_counts("some-model").to_json() == {}
+
+
+def test_a_group_runs_the_count_measured_for_its_size_as_soon_as_it_forms(monkeypatch):
+    monkeypatch.setattr(lockstep_module, "WINDOW", 60.0)  # no window ends: only the group's forming decides
+    counts = lockstep_module.CohortCounts((1, 2))
+    for count, rate in [(1, 50.0), (1, 50.0), (2, 100.0), (2, 100.0)]:
+        counts.measured(8, count, rate)
+    lockstep = Lockstep(counts=counts)
+    seen = []
+
+    async def session():
+        with lockstep.member() as member:
+            for _ in range(20):
+                await member.turn()
+                seen.append(len(lockstep._cohorts[member.cohort.key]))
+                await asyncio.sleep(0.01)
+
+    async def main():
+        await asyncio.gather(*(session() for _ in range(8)))
+
+    asyncio.run(main())
+    assert seen[-80:].count(2) == 80, seen

@@ -283,20 +283,19 @@ class Lockstep:
 
     def _released(self, key, steps: int) -> None:
         """Count a release toward the group's window; at a window's end, record its rate and run the
-        count `CohortCounts` says next. A window in which sessions joined or left measures nothing."""
+        count `CohortCounts` says next. A window in which sessions joined or left measures nothing,
+        and the group runs what was measured for its new size."""
         now, members = time.perf_counter(), self._members(key)
         if self.counts is None or members <= MIN_COHORT:  # one cohort, whatever the count
             return
-        window = self._windows.get(key)
-        if window is None or window.members != members or window.count != self._counted(key):
-            self._windows[key] = _Window(now, members, self._counted(key))
-            return
-        window.steps += steps
-        if now - window.start < WINDOW:
-            return
-        self.counts.measured(members, window.count, window.steps / (now - window.start))
-        count = self.counts.count(members, window.count)
-        if count != window.count:
+        window, current = self._windows.get(key), self._counted(key)
+        if window is not None and window.members == members and window.count == current:
+            window.steps += steps
+            if now - window.start < WINDOW:
+                return
+            self.counts.measured(members, current, window.steps / (now - window.start))
+        count = self.counts.count(members, current)  # also when the group changed: it may be decided
+        if count != current:
             log.debug("%d decoding sessions step in %d cohort(s)", members, count)
             self._count[key] = count
             self._regroup(key, count)
