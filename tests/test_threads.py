@@ -11,6 +11,7 @@ import uvloop
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.greedy import REVISIT, TRIALS, HeadWays, kept_way
+from p2pfusion.client.generate.trials import Trials
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.threads import DecodeSettings, StepCost, choose_decode_settings, shares_host, thread_options
@@ -150,4 +151,9 @@ def test_the_client_head_keeps_the_way_its_own_calls_found_faster():
     assert ways[:REVISIT].count((2, False)) <= 1  # before, one call in REVISIT tried it
     assert ways[-2 * REVISIT:].count((1, False)) <= 2  # after, one call in REVISIT tries the old way
     assert kept_way({(1, False): [1.0] * TRIALS, (2, False): [0.95] * TRIALS}) == (1, False)  # within the margin
-    assert kept_way({(1, False): [1.0] * TRIALS, (2, False): [0.5] * (TRIALS - 1)}) is None  # still trying
+    trying = Trials(TRIALS, REVISIT, kept_way)
+    trying.of(1, [(1, False), (2, False)])
+    for way, seconds, times in [((1, False), 1.0, TRIALS), ((2, False), 0.5, TRIALS - 1)]:
+        for _ in range(times):
+            trying.add(1, way, seconds)
+    assert trying.decided(1) is None and trying.choose(1, []) == (2, False)  # still trying: its turn

@@ -21,12 +21,12 @@ import asyncio
 import logging
 import statistics
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
 from p2pfusion.client.generate.screen import ScreenedHead
+from p2pfusion.client.generate.trials import Trials
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,9 @@ REVISIT = 32  # once decided, one call in this many takes another way, so the ti
 Way = tuple[int, bool]  # threads, and whether many rows are screened in bfloat16 (else float32)
 
 
-def kept_way(times: dict[Way, Sequence[float]], trials: int = TRIALS) -> Way | None:
+def kept_way(times: dict[Way, Sequence[float]]) -> Way:
     """Of the ways in the order given (fewest threads first), the first that no later one beats by
-    more than MARGIN in median time, once every way has `trials` timings (None before)."""
-    if not times or any(len(seconds) < trials for seconds in times.values()):
-        return None
+    more than MARGIN in median time."""
     medians = {way: statistics.median(seconds) for way, seconds in times.items()}
     ways = list(medians)
     chosen = ways[0]
@@ -63,37 +61,23 @@ class HeadWays:
     bfloat16 (fast where the CPU multiplies it natively, slow elsewhere) or taken in float32. What
     is fastest moves with the machine's load and with what waking a thread costs at the hour, so
     the decision stands on each way's latest TRIALS timings, and the other ways are timed again now
-    and then (one call in REVISIT, in turn)."""
+    and then (one call in REVISIT, in turn; generate/trials.py)."""
 
     def __init__(self, threads: list[int]):
         self._threads = threads
-        self._times: dict[int, dict[Way, deque[float]]] = {}
+        self._trials: Trials[Way] = Trials(TRIALS, REVISIT, kept_way)
         self._kept: dict[int, Way] = {}
-        self._calls: dict[int, int] = {}  # timed calls per size since its first decision
 
     def way(self, rows: int) -> Way:
         size = size_of(rows)
-        times = self._times.get(size)
-        if times is None:
-            formats = (True, False) if size >= BATCHED_ROWS else (False,)
-            times = self._times[size] = {(threads, low): deque(maxlen=TRIALS) for threads in self._threads for low in formats}
-        kept = self._kept.get(size)
-        if kept is None:
-            return min(times, key=lambda way: len(times[way]))  # the ways take turns
-        calls = self._calls[size]
-        others = [way for way in times if way != kept]
-        if others and calls % REVISIT == REVISIT - 1:
-            return others[calls // REVISIT % len(others)]
-        return kept
+        formats = (True, False) if size >= BATCHED_ROWS else (False,)
+        return self._trials.choose(size, [(threads, low) for threads in self._threads for low in formats])
 
     def timed(self, rows: int, way: Way, seconds: float) -> None:
         size = size_of(rows)
-        self._times[size][way].append(seconds)
-        if size in self._kept:
-            self._calls[size] += 1
-        kept = kept_way(self._times[size])
+        self._trials.add(size, way, seconds)
+        kept = self._trials.decided(size)
         if kept is not None and kept != self._kept.get(size):
-            self._calls.setdefault(size, 0)
             self._kept[size] = kept
             log.debug("the LM head runs calls of %d+ rows on %d thread(s)%s", size, kept[0],
                       ", screened in bfloat16" if kept[1] else "")

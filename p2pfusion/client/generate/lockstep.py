@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from p2pfusion.client.generate.trials import Trials
 from p2pfusion.models.source import cache_root, safe_name
 
 log = logging.getLogger(__name__)
@@ -76,20 +77,26 @@ def group_size(members: int) -> int:
     return 1 << (min(members, 8).bit_length() - 1)
 
 
+def _faster(rates: dict[int, deque[float]]) -> int:
+    return max(rates, key=lambda count: statistics.median(rates[count]))
+
+
 class CohortCounts:
     """The one owner of what each cohort count gave, per size of group: member steps per second
     over windows of WINDOW seconds, the latest WINDOWS of each; the counts take turns until each
     has them (the one running first), then the faster runs, and one window in REVISIT_WINDOWS runs
-    another."""
+    another (generate/trials.py)."""
 
     def __init__(self, counts: tuple[int, ...] = COUNTS):
         self._counts = counts
-        self._rates: dict[int, dict[int, deque[float]]] = {}
-        self._windows: dict[int, int] = {}  # windows measured per size since its first decision
+        self._trials: Trials[int] = Trials(WINDOWS, REVISIT_WINDOWS, _faster)
         self.changed = False  # measured since last saved
 
     def to_json(self) -> dict:
-        return {str(size): {str(count): list(seen) for count, seen in rates.items()} for size, rates in self._rates.items()}
+        return {
+            str(size): {str(count): list(seen) for count, seen in rates.items()}
+            for size, rates in self._trials.seen.items()
+        }
 
     @classmethod
     def from_json(cls, raw: object) -> CohortCounts:
@@ -104,34 +111,19 @@ class CohortCounts:
                 if count not in {str(c) for c in counts._counts} or not isinstance(seen, list):
                     continue
                 valid = [float(r) for r in seen if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
-                counts._of(int(size))[int(count)].extend(valid[-WINDOWS:])
+                counts._trials.of(int(size), counts._counts)[int(count)].extend(valid[-WINDOWS:])
         return counts
-
-    def _of(self, size: int) -> dict[int, deque[float]]:
-        return self._rates.setdefault(size, {count: deque(maxlen=WINDOWS) for count in self._counts})
 
     def count(self, members: int, current: int | None = None) -> int:
         """The count to run next for a group of `members`, which runs `current` now (each change
         costs the sessions a moment out of step, so trials stay with it while it needs windows)."""
-        size = group_size(members)
-        rates = self._of(size)
-        if any(len(seen) < WINDOWS for seen in rates.values()):
-            if current in rates and len(rates[current]) < WINDOWS:
-                return current
-            return min(rates, key=lambda count: len(rates[count]))
-        best = max(rates, key=lambda count: statistics.median(rates[count]))
-        windows, others = self._windows.get(size, 0), [count for count in rates if count != best]
-        if others and windows % REVISIT_WINDOWS == REVISIT_WINDOWS - 1:
-            return others[windows // REVISIT_WINDOWS % len(others)]
-        return best
+        return self._trials.choose(group_size(members), self._counts, current)
 
     def measured(self, members: int, count: int, rate: float) -> None:
         size = group_size(members)
-        rates = self._of(size)
-        rates[count].append(rate)
+        self._trials.of(size, self._counts)
+        self._trials.add(size, count, rate)
         self.changed = True
-        if all(len(seen) == WINDOWS for seen in rates.values()):
-            self._windows[size] = self._windows.get(size, 0) + 1
 
 
 def _counts_path(model: str) -> Path:
