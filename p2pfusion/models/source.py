@@ -57,6 +57,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("P2PFUSION_CACHE", Path.home() / ".cache" / "p2pfusion"))
 
 
+def write_json(path: Path, data: object) -> None:
+    """`data` as JSON at `path`, whole or not at all (a reader never sees half a file); OSError
+    when it cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
 def safe_name(text: str) -> str:
     """`text` made safe as a file name."""
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from p2pfusion.client.generate.screen import ScreenedHead
-from p2pfusion.client.generate.trials import Trials
+from p2pfusion.client.generate.trials import Trials, size_class
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +50,6 @@ def kept_way(times: dict[Way, Sequence[float]]) -> Way:
     return chosen
 
 
-def size_of(rows: int) -> int:
-    """Calls of 1, 2-3, 4-7 and 8 or more rows are timed apart."""
-    return 1 << (min(rows, 8).bit_length() - 1)
-
-
 class HeadWays:
     """The one owner of what the head's calls measured, per size of call, and the way kept for it:
     its thread count, and for calls of BATCHED_ROWS or more, whether the product is screened in
@@ -69,12 +64,12 @@ class HeadWays:
         self._kept: dict[int, Way] = {}
 
     def way(self, rows: int) -> Way:
-        size = size_of(rows)
+        size = size_class(rows)
         formats = (True, False) if size >= BATCHED_ROWS else (False,)
         return self._trials.choose(size, [(threads, low) for threads in self._threads for low in formats])
 
     def timed(self, rows: int, way: Way, seconds: float) -> None:
-        size = size_of(rows)
+        size = size_class(rows)
         self._trials.add(size, way, seconds)
         kept = self._trials.decided(size)
         if kept is not None and kept != self._kept.get(size):

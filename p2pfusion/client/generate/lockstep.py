@@ -37,8 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2pfusion.client.generate.trials import Trials
-from p2pfusion.models.source import cache_root, safe_name
+from p2pfusion.client.generate.trials import Trials, size_class
+from p2pfusion.models.source import cache_root, safe_name, write_json
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +72,6 @@ def arrived(members: int, back: int) -> str:
     return "straggler" if 2 * back > members else "cycle"
 
 
-def group_size(members: int) -> int:
-    """Groups of 1, 2-3, 4-7 and 8 or more decoding sessions are measured apart."""
-    return 1 << (min(members, 8).bit_length() - 1)
-
-
 def _faster(rates: dict[int, deque[float]]) -> int:
     return max(rates, key=lambda count: statistics.median(rates[count]))
 
@@ -105,7 +100,7 @@ class CohortCounts:
         if not isinstance(raw, dict):
             return counts
         for size, rates in raw.items():
-            if size not in {str(group_size(n)) for n in range(1, 9)} or not isinstance(rates, dict):
+            if size not in {str(size_class(n)) for n in range(1, 9)} or not isinstance(rates, dict):
                 continue
             for count, seen in rates.items():
                 if count not in {str(c) for c in counts._counts} or not isinstance(seen, list):
@@ -117,10 +112,10 @@ class CohortCounts:
     def count(self, members: int, current: int | None = None) -> int:
         """The count to run next for a group of `members`, which runs `current` now (each change
         costs the sessions a moment out of step, so trials stay with it while it needs windows)."""
-        return self._trials.choose(group_size(members), self._counts, current)
+        return self._trials.choose(size_class(members), self._counts, current)
 
     def measured(self, members: int, count: int, rate: float) -> None:
-        size = group_size(members)
+        size = size_class(members)
         self._trials.of(size, self._counts)
         self._trials.add(size, count, rate)
         self.changed = True
@@ -143,10 +138,7 @@ def save_counts(model: str, counts: CohortCounts) -> None:
         return
     path = _counts_path(model)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(counts.to_json()))
-        tmp.replace(path)
+        write_json(path, counts.to_json())
         counts.changed = False
     except OSError as exc:  # a read-only cache must not fail a generation
         log.warning("cannot save the cohort counts measured to %s: %s", path, exc)

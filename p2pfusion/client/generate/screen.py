@@ -90,7 +90,8 @@ class ScreenedHead:
         tokens: list[int | None] = []
         for row, (values, indices) in enumerate(zip(top.values.tolist(), top.indices.tolist())):
             sure = math.isfinite(values[0]) and math.isfinite(values[1])
-            tokens.append(indices[0] if sure and self._apart(values[0] - values[1], indices, x[row], g) else None)
+            sure = sure and self._apart(values[0] - values[1], indices, float(x[row].double().norm()), g)
+            tokens.append(indices[0] if sure else None)
         return tokens
 
     def _decide(self, x: torch.Tensor, screened: torch.Tensor, u: float) -> list[int | None]:
@@ -120,14 +121,13 @@ class ScreenedHead:
             top = torch.topk(exact, 2)
             first, second = int(candidates[top.indices[0]]), int(candidates[top.indices[1]])
             gap = float(top.values[0] - top.values[1])
-            tokens.append(first if self._apart(gap, (first, second), x[row], g) else None)
+            tokens.append(first if self._apart(gap, (first, second), float(x_norms[row]), g) else None)
         return tokens
 
-    def _apart(self, gap: float, pair, x: torch.Tensor, g: float) -> bool:
+    def _apart(self, gap: float, pair, x_norm: float, g: float) -> bool:
         """Whether the best two float32 logits are far enough apart that no float32 summation
         order could swap them: two sums of the same products differ by at most 2g sum|w_i x_i|,
         and the full head's own kernel may sum in another order than this product did."""
-        x_norm = float(x.double().norm())
         tie = 2 * g * x_norm * float(torch.maximum(self.norms[pair[0]], self.norms[pair[1]])) * SAFETY
         return gap > tie
 

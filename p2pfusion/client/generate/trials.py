@@ -17,6 +17,11 @@ from typing import Generic, TypeVar
 Option = TypeVar("Option", bound=Hashable)
 
 
+def size_class(n: int) -> int:
+    """Sizes 1, 2-3, 4-7 and 8 or more (rows of a call, sessions of a group) are measured apart."""
+    return 1 << (min(n, 8).bit_length() - 1)
+
+
 class Trials(Generic[Option]):
     def __init__(self, keep: int, revisit: int, best: Callable[[dict[Option, deque[float]]], Option]):
         """`keep`: the latest measurements of each option that decide; `revisit`: once decided, one

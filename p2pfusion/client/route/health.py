@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from p2pfusion.dht.records import PeerRecord, PeerState
-from p2pfusion.models.source import cache_root, safe_name
+from p2pfusion.models.source import cache_root, safe_name, write_json
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,6 @@ def load_observed(model: str) -> dict[str, float]:
 def save_observed(model: str, observed: dict[str, float]) -> None:
     path = _path(model)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(recent(observed), indent=1))
-        tmp.replace(path)
+        write_json(path, recent(observed))
     except OSError as exc:  # a read-only cache must not fail an inference
         log.warning("cannot save observed peer speeds to %s: %s", path, exc)
