@@ -85,7 +85,7 @@ class CohortCounts:
     def __init__(self, counts: tuple[int, ...] = COUNTS):
         self._counts = counts
         self._trials: Trials[int] = Trials(WINDOWS, REVISIT_WINDOWS, _faster)
-        self.changed = False  # measured since last saved
+        self.changed = False  # measured since last saved (`saved` clears it)
 
     def to_json(self) -> dict:
         return {
@@ -108,6 +108,9 @@ class CohortCounts:
                 valid = [float(r) for r in seen if isinstance(r, (int, float)) and math.isfinite(r) and r > 0]
                 counts._trials.of(int(size), counts._counts)[int(count)].extend(valid[-WINDOWS:])
         return counts
+
+    def saved(self) -> None:
+        self.changed = False
 
     def count(self, members: int, current: int | None = None) -> int:
         """The count to run next for a group of `members`, which runs `current` now (each change
@@ -139,7 +142,7 @@ def save_counts(model: str, counts: CohortCounts) -> None:
     path = _counts_path(model)
     try:
         write_json(path, counts.to_json())
-        counts.changed = False
+        counts.saved()
     except OSError as exc:  # a read-only cache must not fail a generation
         log.warning("cannot save the cohort counts measured to %s: %s", path, exc)
 
