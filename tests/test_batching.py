@@ -17,11 +17,11 @@ from p2pfusion.peer.batching import (
     MAX_BATCH_ROWS,
     SOURCE_ROWS,
     Pending,
-    all_back,
     charged,
     fairness_unit,
     next_batch,
     served,
+    unready,
     within,
 )
 
@@ -111,31 +111,26 @@ def test_sources_take_turns_and_each_is_capped():
 
 
 @settings(max_examples=150, deadline=None)
-@given(
-    st.lists(st.frozensets(st.sampled_from("abcdef"), min_size=1, max_size=4), max_size=4),
-    st.sets(st.sampled_from("abcdef")),
-    st.sets(st.sampled_from("abcdefg"), min_size=1),
-)
-def test_a_batch_starts_early_only_when_all_its_open_sessions_are_back(batches, ended, waiting):
-    mates = {}
-    for batch in batches:
-        mates.update((member, batch) for member in batch)
-    for member in ended:
-        mates.pop(member, None)
-    waiting = sorted(waiting)
-    early = all_back(waiting, mates)
-    if any(member not in mates or len(mates[member]) < 2 for member in waiting):
-        assert not early  # a session that ran alone, or never, waits the gathering moment
-        return
-    missing = {m for member in waiting for m in mates[member] if m in mates} - set(waiting)
-    assert early == (not missing)
-    if missing:  # a session that ended is not waited for
-        assert all_back(waiting, {k: v for k, v in mates.items() if k not in missing})
+@given(st.lists(st.tuples(st.sampled_from(SOURCES), st.sampled_from([None, 1, 2]), st.integers(2, 4)), max_size=12))
+def test_a_cohort_is_unready_until_all_its_steps_are_in(jobs):
+    pending = [
+        Pending(source, 1, i, "stage", cohort=None if tag is None else (tag, size))
+        for i, (source, tag, size) in enumerate(jobs)
+    ]
+    held = unready(pending)
+    for i, job in enumerate(pending):
+        if job.cohort is None:
+            assert i not in held  # a step sent alone waits for no one
+            continue
+        # another unit's steps with the same tag are not this cohort's
+        mine = [other for other in pending if (other.source, other.cohort) == (job.source, job.cohort)]
+        assert (i in held) == (len(mine) < job.cohort[1])
 
 
-def test_the_scheduler_runs_a_burst_at_once_and_waits_for_strangers(monkeypatch):
-    """Steps of sessions that ran together start as soon as the last of them arrives; a step of a
-    session it has not batched waits the gathering moment for others to join it."""
+def test_the_scheduler_runs_a_cohort_once_in_and_keeps_it_whole(monkeypatch):
+    """A cohort's batch starts as its last step arrives, and a cohort half in neither joins another's
+    batch nor splits; a step sent alone, or a cohort whose last step never comes, waits the
+    gathering moment."""
     monkeypatch.setattr(scheduler_module, "MAX_GATHER", 0.4)
     batches = []
 
@@ -148,32 +143,30 @@ def test_the_scheduler_runs_a_burst_at_once_and_waits_for_strangers(monkeypatch)
         scheduler._batch_seconds = 10.0  # a gathering moment of MAX_GATHER
         loop = asyncio.get_running_loop()
 
-        async def step(member, delay=0.0):
+        async def step(name, cohort=None, delay=0.0):
             await asyncio.sleep(delay)
-            return await scheduler.run_batched("ip:a", 1, "stage", runner, member, member)
+            await scheduler.run_batched("ip:a", 1, "stage", runner, name, cohort)
+            return loop.time() - t
 
         try:
             t = loop.time()
-            await asyncio.gather(step("a"), step("b", 0.05))
-            first = loop.time() - t
+            whole = await asyncio.gather(step("a", (1, 2)), step("b", (1, 2), 0.05))
             t = loop.time()
-            await asyncio.gather(step("a"), step("b", 0.05))
-            burst = loop.time() - t
-            scheduler.forget("b")
+            two = await asyncio.gather(
+                step("c", (2, 2)), step("d", (2, 2)), step("e", (3, 2)), step("f", (3, 2), 0.1)
+            )
             t = loop.time()
-            await step("a")
-            alone = loop.time() - t
+            short = await asyncio.gather(step("g", (4, 3)), step("h", (4, 3)))
             t = loop.time()
-            await step("c")
-            stranger = loop.time() - t
+            stranger = await step("i")
         finally:
             scheduler.shutdown()
-        return first, burst, alone, stranger
+        return whole, two, short, stranger
 
-    first, burst, alone, stranger = asyncio.run(main())
-    assert batches[:2] == [["a", "b"], ["a", "b"]]
-    assert first >= 0.35 and stranger >= 0.35  # the gathering moment
-    assert burst < 0.3 and alone < 0.3, (burst, alone)  # b's arrival (or its end) completes the burst
+    whole, two, short, stranger = asyncio.run(main())
+    assert batches == [["a", "b"], ["c", "d"], ["e", "f"], ["g", "h"], ["i"]]
+    assert max(whole) < 0.3 and max(two[:2]) < 0.09 and 0.1 <= max(two[2:]) < 0.3, (whole, two)
+    assert min(short) >= 0.35 and stranger >= 0.35  # the gathering moment
 
 
 def test_bulk_work_runs_at_a_lower_os_priority_than_decode_steps():

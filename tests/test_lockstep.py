@@ -21,19 +21,31 @@ def test_cohort_policy():
 TOGETHER = 0.004  # seconds: turns this close were released together (tasks resume one by one)
 
 
-async def _run(lockstep: Lockstep, swarm_times: dict[str, list[float]], start: dict[str, float], log: list):
-    """Each session takes its turns; between turns its step takes the next of its times."""
+async def _run(lockstep: Lockstep, swarm_times: dict[str, list[float]], start: dict[str, float], log: list) -> int:
+    """Each session takes its turns; between turns its step takes the next of its times. Each
+    turn's step names the steps sent with it as a cohort: all of them, and only them. Returns how
+    many steps named one."""
     loop = asyncio.get_running_loop()
+    tagged: dict[int, list[float]] = {}
 
     async def session(name: str):
         await asyncio.sleep(start.get(name, 0.0))
         with lockstep.member() as member:
             for seconds in swarm_times[name]:
-                await member.turn()
+                together = await member.turn()
                 log.append((round(loop.time(), 3), name))
+                if together is not None:
+                    tagged.setdefault(together.tag, []).append(loop.time())
+                    assert 2 <= together.size <= len(swarm_times)
+                    sizes.setdefault(together.tag, together.size)
+                    assert sizes[together.tag] == together.size
                 await asyncio.sleep(seconds)
 
+    sizes: dict[int, int] = {}
     await asyncio.gather(*(session(name) for name in swarm_times))
+    for tag, moments in tagged.items():  # a tag per release, on each step it let go
+        assert len(moments) == sizes[tag] and max(moments) - min(moments) < TOGETHER, (tag, moments)
+    return sum(map(len, tagged.values()))
 
 
 def _moments(log: list, names: set[str]) -> list[float]:
@@ -78,7 +90,7 @@ def test_a_session_alone_never_waits_and_a_pair_steps_together(monkeypatch):
     monkeypatch.setattr(lockstep_module, "STRAGGLER", 1.0)
     monkeypatch.setattr(lockstep_module, "FIRST_CYCLE", 1.0)
     log = []
-    asyncio.run(_run(Lockstep(cohorts=2), {"a": [0.0] * 20}, {}, log))
+    assert asyncio.run(_run(Lockstep(cohorts=2), {"a": [0.0] * 20}, {}, log)) == 0  # a step alone names no cohort
     assert log[-1][0] - log[0][0] < 0.2
     log = []
     asyncio.run(_run(Lockstep(cohorts=2), {"a": [0.0] * 10, "b": [0.01] * 10}, {}, log))

@@ -55,6 +55,10 @@ def _batched_steps(peers) -> int:
     return sum(peer.server.compute.stats.batched_steps for peer in peers)
 
 
+def _cohort_steps(peers) -> list[int]:
+    return [peer.server.compute.stats.cohort_steps for peer in peers]
+
+
 def _assert_batched(batched: int) -> None:
     """Some of the sessions' steps ran together, in one forward."""
     assert batched > 0
@@ -63,9 +67,11 @@ def _assert_batched(batched: int) -> None:
 async def _at_once_and_staggered(source, swarm, together, staggered):
     peers, maddrs = swarm
     async with await SwarmLM.connect(maddrs, source, compression="none", verify=0.0) as lm:
-        before = _batched_steps(peers)
+        before, cohorts = _batched_steps(peers), _cohort_steps(peers)
         at_once = await asyncio.gather(*(lm.generate(ids, n) for ids, n in together))
         batched = _batched_steps(peers) - before
+        # the client's cohorts reached every hop: the first from the client, the rest relayed
+        assert all(now > then for now, then in zip(_cohort_steps(peers), cohorts))
 
         async def later(delay: float, ids: list[int], n: int):
             await asyncio.sleep(delay)  # joins while others decode; the short ones leave first

@@ -42,6 +42,7 @@ from p2pfusion.net.wire import Bound, Length, decode_as, encode
 
 PROTOCOL = "p2pfusion.inference.v4"
 MAX_STEP_TOKENS = 8192  # batch x tokens of one step: bounds a peer's memory per step
+MAX_COHORT = 64  # steps of one cohort: a peer's batch holds at most 64 positions (peer/batching.py)
 MAX_SAVED = 8  # training steps a peer keeps awaiting their backward pass, per session
 MAX_ROUTE = 256  # hops in one route
 MAX_HOP_ADDRS = 8  # a peer dials at most MAX_DIALED of them, and only those its next hop announced
@@ -105,6 +106,15 @@ class Ack:
 
 
 @dataclass(frozen=True)
+class Cohort:
+    """A client's decode steps sent together, one per session (client/generate/lockstep.py): `size`
+    of them carry `tag`. A hop runs them as one batch once all are in, and passes the tag on."""
+
+    tag: Annotated[int, Bound(0, (1 << 63) - 1)]
+    size: Annotated[int, Bound(2, MAX_COHORT)]
+
+
+@dataclass(frozen=True)
 class Step:
     """Hidden states of new positions; the tensor travels beside the header.
 
@@ -113,7 +123,8 @@ class Step:
     [batch, tokens] (None: their sequence positions); `params` the digest of the parameters the
     client expects this step to use (None: none); `keep` how many of the positions the session's
     cache holds to keep before this step's are added (None: all): a speculative step's rejected
-    drafts are dropped so, with no replay."""
+    drafts are dropped so, with no replay; `cohort` the steps of the client's other sessions sent
+    with this one (None: none)."""
 
     kind: ClassVar[str] = "step"
     step: int
@@ -124,6 +135,7 @@ class Step:
     positions: bytes | None = None
     params: Id | None = None
     keep: Count | None = None
+    cohort: Cohort | None = None
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,15 @@ time its jobs took (`used`, with an entry for the connection and one for the uni
   those of other units, least served first, taking turns, at most SOURCE_ROWS positions per
   unit; a unit more than `slack` seconds of compute ahead of the first's does not join, so a
   heavy client cannot slow everyone's batch down by filling it (it runs its own in between);
-- decode steps of sessions that ran as one batch last time start as soon as all of them that are
-  still open are back (`all_back`), instead of after the scheduler's gathering moment.
+- decode steps that a client sent as one cohort (client/generate/lockstep.py; net/messages.py
+  `Cohort`) run once all of the cohort's steps are here: until then they are `unready`, and wait
+  for the rest rather than split it (a cohort split in two pays for two reads of the stage's
+  weights, at every hop after); the scheduler's gathering moment bounds that wait.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
@@ -50,6 +53,7 @@ class Pending:
     order: int  # arrival
     key: Hashable | None = None  # jobs with the same key may run as one batch; None: alone
     prefill: bool = False  # many positions per sequence: a prefill chunk or a training step
+    cohort: tuple[int, int] | None = None  # (tag, size) of the cohort its client sent it in
 
 
 def charged(job: Pending, seconds: float) -> float:
@@ -94,17 +98,14 @@ def next_batch(
     return chosen
 
 
-def all_back(waiting: list[Hashable | None], mates: Mapping[Hashable, frozenset]) -> bool:
-    """Whether waiting decode steps may start before the gathering moment (peer/scheduler.py):
-    each is a step of a session that last ran in a batch of two or more (`mates`: an open session
-    -> the sessions of its last batch), and every session of those batches still open has a step
-    waiting. A client in lockstep (client/generate/lockstep.py) sends such bursts."""
-    present = set(waiting)
-    for member in waiting:
-        batch = mates.get(member)
-        if batch is None or len(batch) < 2 or any(m in mates and m not in present for m in batch):
-            return False
-    return True
+def unready(pending: list[Pending]) -> set[int]:
+    """Indices of the steps whose cohort has not all come yet: fewer of its unit's steps with its
+    tag are waiting than its size. A unit's tags are its own, so no other unit completes them."""
+    here = Counter((job.source, job.cohort) for job in pending if job.cohort is not None)
+    return {
+        i for i, job in enumerate(pending)
+        if job.cohort is not None and here[job.source, job.cohort] < job.cohort[1]
+    }
 
 
 def within(unit: str, lead: str, used: Mapping[str, float], slack: float = SLACK) -> bool:

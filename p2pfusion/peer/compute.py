@@ -96,7 +96,8 @@ class StageCompute:
             out = await self._run(session, batch * tokens, True, self._train_forward, session, inputs)
         elif self._batchable(session, inputs) and not self._runs_inline(session, batch):
             out = await self.scheduler.run_batched(
-                session.client, batch, id(session.stage), self._infer_batch, (session, inputs), session.session_id
+                session.client, batch, id(session.stage), self._infer_batch, (session, inputs),
+                None if inputs.cohort is None else (inputs.cohort.tag, inputs.cohort.size),
             )
         else:
             outs, a = [], 0
@@ -162,8 +163,8 @@ class StageCompute:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
-    def forget(self, session: Session) -> None:
-        self.scheduler.forget(session.session_id)
+    def forget(self) -> None:
+        """A session ended."""
         self.scheduler.stop_warm()  # the sessions still open warm it again with their next steps
 
     def keep_graph(self, inputs: StepInputs) -> None:

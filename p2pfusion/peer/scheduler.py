@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from p2pfusion.peer.batching import Pending, all_back, charged, connection_of, next_batch
+from p2pfusion.peer.batching import Pending, charged, connection_of, next_batch, unready
 
 BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their results, in order
 # While sessions share the peer, an idle thread takes a decode step a moment after it arrives,
@@ -31,8 +31,9 @@ BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their resu
 # are still being read then, or a moment behind, and join its batch. The moment is a quarter of a
 # batch's recent time, at most 8 ms (on this project's CPUs: 8 sessions went from 16 to 22
 # tokens/s through 3 peers, docs/benchmarks.md); on a GPU, where a step takes a few ms, less.
-# Steps of sessions that ran together last time do not wait that long: their batch starts as soon
-# as all of its sessions still open are back, which in lockstep (client/generate/lockstep.py) is at once.
+# A client's cohort (client/generate/lockstep.py) says how many steps it sent together: its batch
+# starts as its last step is read, and the moment only bounds the wait for a step that never comes
+# (its session ended between the cohort's release and its step).
 GATHER_SHARE = 0.25
 MAX_GATHER = 0.008
 BULK_NICE = 10  # how much lower the OS priority of prefill chunks and training steps is (Linux nice)
@@ -51,6 +52,7 @@ class Stats:
     steps: int = 0  # jobs run on the compute thread (a lone session's small steps run inline, uncounted)
     batches: int = 0  # forwards that ran two or more jobs together
     batched_steps: int = 0  # jobs that ran in those
+    cohort_steps: int = 0  # jobs that named the cohort their client sent them in
 
 
 @dataclass
@@ -59,7 +61,6 @@ class _Job:
     work: Any  # a callable (run alone), or an item for `runner`
     future: asyncio.Future
     runner: BatchRunner | None = None  # runs the items of the jobs batched with this one
-    member: Hashable | None = None  # the session a batchable job is a step of
 
 
 class Scheduler:
@@ -74,7 +75,6 @@ class Scheduler:
         self._floors = {True: 0.0, False: 0.0}  # by "is a connection"
         self._gathering: asyncio.TimerHandle | None = None
         self._batch_seconds = 0.0  # a batched forward's time, lately
-        self._mates: dict[Hashable, frozenset] = {}  # an open session -> those it last ran a batch with
         self._warming: threading.Event | None = None  # set to end the spin that keeps the compute thread warm
         self._order = itertools.count()
         self.stats = Stats()
@@ -93,11 +93,13 @@ class Scheduler:
         return await self._submit(Pending(source, rows, next(self._order), prefill=prefill), functools.partial(fn, *args))
 
     async def run_batched(
-        self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any, member: Hashable
+        self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any,
+        cohort: tuple[int, int] | None = None,
     ) -> Any:
-        """`runner([item, ...])`'s result for `item`, a step of session `member`, run with the other
-        items of `key` that are ready at the same time (jobs of one key share one runner)."""
-        return await self._submit(Pending(source, rows, next(self._order), key), item, runner, member)
+        """`runner([item, ...])`'s result for `item`, run with the other items of `key` that are
+        ready at the same time (jobs of one key share one runner); `cohort`: the (tag, size) of the
+        steps its client sent with it, which it waits for."""
+        return await self._submit(Pending(source, rows, next(self._order), key, cohort=cohort), item, runner)
 
     def keep_warm(self, spin: Callable[[float, threading.Event], None], until: float) -> None:
         """Spin on the compute thread until `until` (perf_counter), unless work arrives first:
@@ -112,37 +114,41 @@ class Scheduler:
             self._warming.set()
             self._warming = None
 
-    def forget(self, member: Hashable) -> None:
-        """A session ended: the sessions it ran with no longer wait for its steps."""
-        self._mates.pop(member, None)
-
-    async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None = None, member=None) -> Any:
-        loop = asyncio.get_running_loop()
-        job = _Job(pending, work, loop.create_future(), runner, member)
+    async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None = None) -> Any:
+        job = _Job(pending, work, asyncio.get_running_loop().create_future(), runner)
         self._jobs.append(job)
-        if runner is None or self._busy or all_back([job.member for job in self._jobs], self._mates):
+        if runner is None or self._busy or (pending.cohort is not None and not self._unready()):
             self._dispatch()
-        elif self._gathering is None:
-            self._gathering = loop.call_later(min(MAX_GATHER, GATHER_SHARE * self._batch_seconds), self._gathered)
+        else:
+            self._gather()
         return await job.future
 
-    def _gathered(self) -> None:
-        self._gathering = None
-        self._dispatch()
+    def _unready(self) -> set[int]:
+        return unready([job.pending for job in self._jobs])
 
-    def _dispatch(self) -> None:
+    def _gather(self) -> None:
+        """Start the gathering moment, after which the steps waiting run, whether or not their cohorts are all here."""
+        if self._gathering is None:
+            delay = min(MAX_GATHER, GATHER_SHARE * self._batch_seconds)
+            self._gathering = asyncio.get_running_loop().call_later(delay, self._dispatch, True)
+
+    def _dispatch(self, gathered: bool = False) -> None:
         if self._gathering is not None:
             self._gathering.cancel()
             self._gathering = None
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
         if self._busy or not self._jobs:
             return
+        held = set() if gathered else self._unready()
+        ready = [job for i, job in enumerate(self._jobs) if i not in held]
+        if not ready:
+            self._gather()
+            return
         self.stop_warm()
         self._level_up({job.pending.source for job in self._jobs})
-        chosen = next_batch([job.pending for job in self._jobs], self._used, self._after_prefill)
-        batch = [self._jobs[i] for i in chosen]
-        taken = set(chosen)
-        self._jobs = [job for i, job in enumerate(self._jobs) if i not in taken]
+        batch = [ready[i] for i in next_batch([job.pending for job in ready], self._used, self._after_prefill)]
+        taken = set(map(id, batch))
+        self._jobs = [job for job in self._jobs if id(job) not in taken]
         runner = batch[0].runner
         work = batch[0].work if runner is None else functools.partial(runner, [job.work for job in batch])
         self._busy = True
@@ -178,10 +184,9 @@ class Scheduler:
         self.observe([job.pending for job in batch], seconds)
         if batched:
             self._batch_seconds = 0.8 * self._batch_seconds + 0.2 * seconds
-            mates = frozenset(job.member for job in batch)
-            self._mates.update((job.member, mates) for job in batch)
         self._after_prefill = batch[0].pending.prefill
         self.stats.steps += len(batch)
+        self.stats.cohort_steps += sum(job.pending.cohort is not None for job in batch)
         if len(batch) > 1:
             self.stats.batches += 1
             self.stats.batched_steps += len(batch)

@@ -254,7 +254,7 @@ class StageServer:
 
     async def _end(self, session: Session) -> None:
         self.sessions.pop(session.session_id, None)
-        self.compute.forget(session)
+        self.compute.forget()
         for inputs in session.end():
             self.compute.release_graph(inputs)
         if session.downstream is not None:

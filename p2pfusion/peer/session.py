@@ -38,6 +38,7 @@ class StepInputs:
     params: StageParams | None = None  # the parameters this step ran with: a backward pass uses them too
     graph: Graph | None = None  # training: the forward's autograd graph, when memory allowed keeping it
     keep: int | None = None  # cached positions kept before this step's (None: all)
+    cohort: m.Cohort | None = None  # the steps its client sent with it (a batchable step waits for them)
 
 
 @dataclass
@@ -164,7 +165,7 @@ class Session:
             raise RequestError("hidden states contain NaN or infinity")
         mask = None if message.mask is None else mask_from_wire(message.mask, batch, offset + tokens)
         positions = None if message.positions is None else positions_from_wire(message.positions, batch, tokens)
-        return StepInputs(tensor, mask, positions, self.params, keep=message.keep)
+        return StepInputs(tensor, mask, positions, self.params, keep=message.keep, cohort=message.cohort)
 
     def keep(self, length: int | None) -> None:
         """Forget the cached positions past `length` (checked by `check_step`); None keeps all."""

@@ -37,6 +37,7 @@ from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, SCREEN_BUDGET, Re
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RouteError
+from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Codec
 
 log = logging.getLogger(__name__)
@@ -75,9 +76,10 @@ class Verifier:
             log.warning("top-k compression loses too much to check peers' results: verification is off")
 
     async def step(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+        together: m.Cohort | None = None,
     ) -> torch.Tensor:
-        out = await self.session.step(hidden, mask, positions)
+        out = await self.session.step(hidden, mask, positions, together)
         self.outputs.append(out)
         self.routes.append(tuple(self.session.session.route))
         self.computed_by.append(self.session.session)

@@ -24,6 +24,7 @@ from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.planner import new_tokens_within
 from p2pfusion.client.tune.adapter import Adapter
 from p2pfusion.errors import RequestError, RouteError
+from p2pfusion.net import messages as m
 
 if TYPE_CHECKING:
     from p2pfusion.client.generate.causal_lm import RemoteCausalLM
@@ -145,14 +146,14 @@ class Conversation:
             after: int | None = None  # the token the last speculative step chose after them
             with model.lockstep.member(adapter) as member:  # in step with the client's other sessions
                 while True:
-                    cached = bool(queued)
+                    cached, together = bool(queued), None
                     if cached:
                         token = queued.pop(0)
                     elif after is not None:
-                        await member.turn()
+                        together = await member.turn()
                         token, after = after, None
                     else:
-                        await member.turn()
+                        together = await member.turn()
                         token = await model.next_token(hidden, temperature, generator, top_p)
                     # a stop that came while this token was computed (a user's Ctrl-C) ends the reply
                     # before it: nothing appears after the stop
@@ -196,7 +197,7 @@ class Conversation:
                     drafts = [] if spec is None or not member.alone else await self._drafts(spec, input_ids + out, room)
                     reading = self._read_ahead(spec, input_ids + out) if member.alone and not drafts else None
                     try:
-                        hidden = await self._step(model.embed([token, *drafts]))
+                        hidden = await self._step(model.embed([token, *drafts]), together)
                     finally:
                         if reading is not None:
                             await reading
@@ -292,11 +293,13 @@ class Conversation:
                 on_token(token)
         return max(shown, sure)
 
-    async def _step(self, embeds: torch.Tensor) -> torch.Tensor:
+    async def _step(self, embeds: torch.Tensor, together: m.Cohort | None = None) -> torch.Tensor:
+        """The swarm's output for the next positions; `together`: the steps of the client's other
+        sessions sent with this one (client/generate/lockstep.py)."""
         hidden = await self.local.step(embeds)
         if self.verifier is None:
-            return await self.session.step(hidden)
-        return await self.verifier.step(hidden)
+            return await self.session.step(hidden, together=together)
+        return await self.verifier.step(hidden, together=together)
 
     async def _rewind(
         self, position: int, input_ids: list[int], out: list[int], reserved: int, soft: torch.Tensor | None

@@ -5,15 +5,15 @@ step or two at a time, and every forward reads all of its stage's weights for th
 project's CPUs ten layers take 16 ms for one step and 37 ms for eight, docs/benchmarks.md). So
 each decoding session belongs to a cohort, and a cohort's members take their next step together:
 the client chooses their tokens as one head product (client/generate/greedy.py), their steps reach the
-first peer in one burst, and every peer runs them as one batch and passes them on as one burst
-(peer/scheduler.py starts a batch as soon as the sessions it last ran together are back).
+first peer in one burst, named as one cohort (net/messages.py `Cohort`), and every peer runs them
+as one batch once all are in and passes them on as one burst, under the same name.
 
 Two cohorts instead of one let the client's work and the peers' overlap: while one is in the
 swarm the other is at the client's head, and where peers have machines of their own, the two keep
 twice as many of them busy. Where the peers share the client's cores, one cohort runs bigger
-batches on them, and two collide there and split up (on this project's 2-core machine, with three
-peers on it, one cohort of 8 sessions gave 96-101 tokens/s where two gave 85-93,
-docs/benchmarks.md). So the client measures both: `CohortCounts` keeps the member steps per second
+batches on them, and two make two peers compute at once, each slower (on this project's 2-core
+machine, with three peers on it, one cohort of 8 sessions gave 96-101 tokens/s where two gave
+85-93, docs/benchmarks.md). So the client measures both: `CohortCounts` keeps the member steps per second
 each count gave, over windows in which the same sessions decoded, and runs the faster, trying the
 other again now and then. A new session joins the smaller cohort and waits, at most about one
 cycle, for it to come back, so that it falls in step; a member that comes back late is not waited
@@ -29,6 +29,7 @@ import asyncio
 import json
 import logging
 import math
+import random
 import statistics
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from pathlib import Path
 
 from p2pfusion.client.generate.trials import Trials, size_class
 from p2pfusion.models.source import cache_root, safe_name, write_json
+from p2pfusion.net import messages as m
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +191,11 @@ class _Cohort:
                 self.cycle = gap if self.cycle is None else 0.7 * self.cycle + 0.3 * gap
             self.released, self.released_by = now, len(self.members)
         waiting, self.waiting = self.waiting, {}
+        # the peers run these steps as one batch once all are in: a tag no earlier release had
+        together = m.Cohort(random.getrandbits(63), len(waiting)) if len(waiting) > 1 else None
         for future in waiting.values():
             if not future.done():
-                future.set_result(None)
+                future.set_result(together)
         self.on_release(len(waiting))
 
 
@@ -201,9 +205,10 @@ class Member:
         self.kind = kind
         self.cohort: _Cohort | None = None
 
-    async def turn(self) -> None:
-        """Wait until this session's cohort takes its next step (at once when alone)."""
-        await self._lockstep.turn(self)
+    async def turn(self) -> m.Cohort | None:
+        """Wait until this session's cohort takes its next step (at once when alone): the steps
+        sent with this session's next one, which its step names (None: none)."""
+        return await self._lockstep.turn(self)
 
     @property
     def alone(self) -> bool:
@@ -236,7 +241,7 @@ class Lockstep:
         """Sessions decoding on `loop`, in every cohort of every kind."""
         return sum(len(c.members) for (owner, _), cohorts in self._cohorts.items() if owner is loop for c in cohorts)
 
-    async def turn(self, member: Member) -> None:
+    async def turn(self, member: Member) -> m.Cohort | None:
         loop = asyncio.get_running_loop()
         cohort = member.cohort
         if cohort is None:
@@ -251,7 +256,7 @@ class Lockstep:
         future = loop.create_future()
         cohort.waiting[member] = future
         self._decide(cohort)
-        await future
+        return await future
 
     def _counted(self, key) -> int:
         if self._fixed is not None:

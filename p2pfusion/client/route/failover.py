@@ -33,6 +33,7 @@ from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.route.watch import watched
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import PeerBusy, PeerFailed, PeerRefused, RouteError, SessionExpired
+from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Purpose
 
 log = logging.getLogger(__name__)
@@ -248,9 +249,11 @@ class ResilientSession:
         return max(MIN_STEP_TIMEOUT, 20 * self._step_seconds)
 
     async def step(
-        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+        together: m.Cohort | None = None,
     ) -> torch.Tensor:
-        """Like RouteSession.step, but a failed or leaving peer costs a replay, not the generation."""
+        """Like RouteSession.step, but a failed or leaving peer costs a replay, not the generation
+        (a replay goes alone: it is no step of `together`)."""
         if hidden.shape[0] > self.batch:  # the hops made room for fewer sequences: open for these
             self.batch = hidden.shape[0]
             await self.drop()
@@ -266,7 +269,7 @@ class ResilientSession:
             replay = self.session.position == 0 and self.history
             inputs, ids = (hidden, positions) if not replay else self._replayed(hidden, positions)
             try:
-                step = self.session.step(inputs, self._timeout(inputs.shape[1]), mask, ids)
+                step = self.session.step(inputs, self._timeout(inputs.shape[1]), mask, ids, None if replay else together)
                 route = self.session.route
                 out = await watched(
                     step, route, self.access.reach, self.access.swarm.transport, self._step_seconds,

@@ -249,9 +249,11 @@ class RouteSession:
         timeout: float = STEP_TIMEOUT,
         mask: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        together: m.Cohort | None = None,
     ) -> torch.Tensor:
         """Send hidden states for the next positions; get the last stage's output for them.
-        `mask` covers the whole sequence so far [batch, length]; `positions` the new tokens."""
+        `mask` covers the whole sequence so far [batch, length]; `positions` the new tokens;
+        `together` the steps of other sessions sent with this one, which the hops batch it with."""
         training = self.purpose == Purpose.TRAINING
         offset = 0 if training else self.position
         if offset + hidden.shape[1] > self.length:
@@ -264,7 +266,7 @@ class RouteSession:
         for piece in hidden.split(sizes, dim=1):  # all sent at once: the hops overlap on them
             begin, end = end, end + piece.shape[1]
             piece_positions = None if positions is None else positions[:, begin - offset:end - offset]
-            steps.append(await self.submit(piece, None if mask is None else mask[:, :end], piece_positions, keep))
+            steps.append(await self.submit(piece, None if mask is None else mask[:, :end], piece_positions, keep, together))
             keep = None
         outputs = [await self._reply(m.Result, timeout, step) for step in steps]
         if not training:
@@ -282,7 +284,7 @@ class RouteSession:
 
     async def submit(
         self, hidden: torch.Tensor, mask: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-        keep: int | None = None,
+        keep: int | None = None, together: m.Cohort | None = None,
     ) -> int:
         """Send one step without waiting for it; `result` waits. Returns the step's number."""
         self._step += 1
@@ -292,6 +294,7 @@ class RouteSession:
             positions=None if positions is None else positions_to_wire(positions),
             params=self.params_digest,
             keep=keep,
+            cohort=together,
         )
         self._sent_at[self._step] = time.perf_counter()
         await self._send(self._head, self.route[0], message, hidden, self.first_link)
