@@ -226,6 +226,53 @@ def test_batched_forward_matches_each_session_alone(tiny_models, family):
     assert [c.length for c in batched] == [length + 4 for _, length in shapes]
 
 
+def test_a_cohort_appends_to_one_padded_buffer_and_stays_exact_as_it_changes(tiny_models):
+    """The same members step after step share one padded buffer and copy no history; a step
+    alone, dropped positions (rejected drafts) and a change of members re-form it; padding that
+    would outweigh the positions held is made for one step only; every output matches each session
+    alone on transformers' DynamicCache."""
+    stage = load_stage(tiny_models["llama"], 1, 3)
+    torch.manual_seed(2)
+    lengths = [3, 7, 12]
+    caches = [stage.new_cache() for _ in lengths]
+    alone = [DynamicCache(config=stage.module.config) for _ in lengths]
+    for i, length in enumerate(lengths):
+        x = torch.randn(1, length, stage.hidden_size)
+        for cache in (caches[i], alone[i]):
+            stage.forward(x, 0, cache)
+
+    def batch(members: list[int]):
+        xs = [torch.randn(1, 1, stage.hidden_size) for _ in members]
+        outs = stage.forward_batch(xs, [caches[i] for i in members], [None] * len(members), [None] * len(members))
+        for i, x, out in zip(members, xs, outs):
+            assert _rel(out, stage.forward(x, alone[i].get_seq_length(), alone[i])) < TOLERANCE
+        return caches[members[0]].layers[0].group
+
+    first = batch([0, 1, 2])
+    assert batch([2, 0, 1]) is first  # the same members, in line, in any order: the same buffer, a column more
+    x = torch.randn(1, 1, stage.hidden_size)
+    assert _rel(stage.forward(x, caches[1].length, caches[1]), stage.forward(x, alone[1].get_seq_length(), alone[1])) < TOLERANCE
+    second = batch([0, 1, 2])  # session 1 stepped alone: out of line
+    assert second is not first
+    third = batch([2, 0])  # other members
+    assert third is not second and caches[1].layers[0].group is second
+    caches[2].keep(caches[2].length - 1)  # a rejected draft's position
+    alone[2].crop(-1)
+    assert batch([2, 0]) is not third
+    for _ in range(40):  # past the buffer's room: a bigger one
+        batch([0, 1, 2])
+    assert [c.length for c in caches] == [alone[i].get_seq_length() for i in range(3)]
+    # a long session among short ones: padded for the step only, each keeping its own buffer
+    for length in (2, 2, 90):
+        x = torch.randn(1, length, stage.hidden_size)
+        caches.append(stage.new_cache())
+        alone.append(DynamicCache(config=stage.module.config))
+        for cache in (caches[-1], alone[-1]):
+            stage.forward(x, 0, cache)
+    for _ in range(3):
+        assert batch([3, 4, 5]) is None
+
+
 def test_sliding_window_stages_keep_their_own_caches(tiny_models):
     stage = load_stage(tiny_models["mistral"], 0, 2)
     assert not stage.batchable  # its sessions' steps run one at a time, on transformers' DynamicCache

@@ -154,8 +154,13 @@ class Stage:
         """Steps of several sessions (the same number of tokens each, each after its own cache) as
         one forward; each session's output, as `forward` would give it alone (within float
         rounding: the padded batch sums in another order)."""
+        # the same sessions in the same rows whatever order their steps came in: their padded
+        # buffer is then kept from one step to the next (models/kv_cache.py)
+        order = sorted(range(len(caches)), key=lambda i: id(caches[i]))
+        hidden = [hidden[i] for i in order]
         rows = [h.shape[0] for h in hidden]
-        step = batched_step(caches, rows, hidden[0].shape[1], masks, positions)
+        step = batched_step([caches[i] for i in order], rows, hidden[0].shape[1], [masks[i] for i in order],
+                            [positions[i] for i in order])
         out = self.module(
             inputs_embeds=torch.cat([h.to(self.dtype) for h in hidden]).to(self.device),
             attention_mask=step.attention_mask.to(self.device),
@@ -163,7 +168,8 @@ class Stage:
             use_cache=True,
             **{cache_arg(type(self.module).forward): step.cache},
         ).last_hidden_state.cpu()
-        return [part.to(h.dtype) for part, h in zip(out.split(rows), hidden)]
+        outputs = [part.to(h.dtype) for part, h in zip(out.split(rows), hidden)]
+        return [outputs[order.index(i)] for i in range(len(order))]
 
     def forward_for_backward(
         self,
