@@ -8,7 +8,8 @@ padding masked out, the layout transformers' own batched `generate` uses, so the
 transformers' modules, unchanged. The padded buffer (`_Group`) outlives the step: each member's
 own buffer becomes a view of its rows in it, so the next step of the same members (a client's
 cohort, step after step) appends one column for all of them and copies no history; members that
-change, or fall out of line (a step alone, drafts dropped), are copied into a new one. Where the
+change, or fall out of line (a step alone, drafts dropped), are copied into a new one, and those
+left out into buffers of their own, so each session's positions are held once. Where the
 padding would outweigh the positions held (one long session among short ones), the buffer would
 hold more memory than the sessions' own caches, and is made for the step only.
 
@@ -59,14 +60,23 @@ class _SessionLayer(DynamicLayer):
 
     def _reserve(self, length: int) -> None:
         capacity = self.keys.shape[2]
-        if length <= capacity:
-            return
+        if length > capacity:
+            self._move(length)
+
+    def _move(self, length: int) -> None:
+        """Its positions into a buffer of its own with room for `length`."""
+        capacity = MIN_CAPACITY
         while capacity < length:
             capacity *= 2
         keys, values = self._buffer(self.keys, capacity), self._buffer(self.values, capacity)
         keys[:, :, :self.length] = self.keys[:, :, :self.length]
         values[:, :, :self.length] = self.values[:, :, :self.length]
         self.keys, self.values, self.group = keys, values, None
+
+    def leave_group(self) -> None:
+        """Its group is given up: its positions go into a buffer of its own."""
+        if self.group is not None:
+            self._move(self.length)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -126,6 +136,7 @@ class _Group:
     `keys` and `values` are views of its rows from where its positions begin."""
 
     def __init__(self, members: list[_SessionLayer], rows: list[int], capacity: int):
+        earlier = {id(member.group): member.group for member in members if member.group is not None}
         end = max(member.length for member in members)
         like = members[0].keys
         self.keys = like.new_zeros(sum(rows), like.shape[1], capacity, like.shape[3])
@@ -140,6 +151,12 @@ class _Group:
             member.adopt(self, self.keys[row:row + count, :, start:], self.values[row:row + count, :, start:])
             self.starts.append(start)
             row += count
+        # the sessions still in the groups given up copy their positions out, so that each
+        # session's positions are held once: no stale buffer lives on in a view
+        for group in earlier.values():
+            for member in group.members:
+                if member.group is group:
+                    member.leave_group()
 
     def holds(self, members: list[_SessionLayer], past: int, tokens: int) -> bool:
         """Whether these members, in this order, still hold their positions here, all ending at
