@@ -2,8 +2,10 @@
 sessions with their own caches against each session run alone on transformers' own DynamicCache."""
 
 import asyncio
+import gc
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -271,6 +273,16 @@ def test_a_cohort_appends_to_one_padded_buffer_and_stays_exact_as_it_changes(tin
             stage.forward(x, 0, cache)
     for _ in range(3):
         assert batch([3, 4, 5]) is None
+    # sessions that end free their rows at once: no reference cycle keeps a buffer for the collector
+    gc.disable()
+    try:
+        old = weakref.ref(caches[0].layers[0].group)
+        ended = [weakref.ref(caches[i].layers[0]) for i in (1, 2)]
+        caches[1] = caches[2] = None
+        assert all(layer() is None for layer in ended)  # at once, not at the buffer's next change
+        assert batch([0, 4]) is not None and old() is None
+    finally:
+        gc.enable()
 
 
 def test_sliding_window_stages_keep_their_own_caches(tiny_models):

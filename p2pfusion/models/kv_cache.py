@@ -19,6 +19,7 @@ and hybrid layers keep DynamicCache, and their sessions' steps run one at a time
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -141,7 +142,8 @@ class _Group:
         like = members[0].keys
         self.keys = like.new_zeros(sum(rows), like.shape[1], capacity, like.shape[3])
         self.values = torch.zeros_like(self.keys)
-        self.members = members
+        # weak: a session that ends frees its rows' view at once, and no cycle keeps the buffer
+        self.members = [weakref.ref(member) for member in members]
         self.starts: list[int] = []
         row = 0
         for member, count in zip(members, rows):
@@ -154,8 +156,9 @@ class _Group:
         # the sessions still in the groups given up copy their positions out, so that each
         # session's positions are held once: no stale buffer lives on in a view
         for group in earlier.values():
-            for member in group.members:
-                if member.group is group:
+            for ref in group.members:
+                member = ref()
+                if member is not None and member.group is group:
                     member.leave_group()
 
     def holds(self, members: list[_SessionLayer], past: int, tokens: int) -> bool:
@@ -163,7 +166,7 @@ class _Group:
         column `past` (the longest's length), with room for `tokens` more."""
         return (
             len(members) == len(self.members)
-            and all(a is b and a.group is self for a, b in zip(members, self.members))
+            and all(a is b() and a.group is self for a, b in zip(members, self.members))
             and all(start + member.length == past for start, member in zip(self.starts, members))
             and past + tokens <= self.keys.shape[2]
         )
