@@ -18,7 +18,8 @@ time its jobs took (`used`, with an entry for the connection and one for the uni
 - decode steps that a client sent as one cohort (client/generate/lockstep.py; net/messages.py
   `Cohort`) run once all of the cohort's steps are here: until then they are `unready`, and wait
   for the rest rather than split it (a cohort split in two pays for two reads of the stage's
-  weights, at every hop after); the scheduler's gathering moment bounds that wait.
+  weights, at every hop after), up to a batch's share of one unit; the scheduler's gathering
+  moment bounds that wait.
 """
 
 from __future__ import annotations
@@ -98,13 +99,20 @@ def next_batch(
     return chosen
 
 
-def unready(pending: list[Pending]) -> set[int]:
+def unready(pending: list[Pending], source_rows: int = SOURCE_ROWS) -> set[int]:
     """Indices of the steps whose cohort has not all come yet: fewer of its unit's steps with its
-    tag are waiting than its size. A unit's tags are its own, so no other unit completes them."""
-    here = Counter((job.source, job.cohort) for job in pending if job.cohort is not None)
+    tag are waiting than its size, and fewer rows than a batch takes of one unit (`source_rows`:
+    a bigger cohort runs in parts anyway, each as soon as it is in). A unit's tags are its own, so
+    no other unit completes them."""
+    steps, rows = Counter(), Counter()
+    for job in pending:
+        if job.cohort is not None:
+            steps[job.source, job.cohort] += 1
+            rows[job.source, job.cohort] += job.rows
     return {
         i for i, job in enumerate(pending)
-        if job.cohort is not None and here[job.source, job.cohort] < job.cohort[1]
+        if job.cohort is not None
+        and steps[job.source, job.cohort] < job.cohort[1] and rows[job.source, job.cohort] < source_rows
     }
 
 

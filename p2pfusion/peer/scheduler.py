@@ -117,14 +117,17 @@ class Scheduler:
     async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None = None) -> Any:
         job = _Job(pending, work, asyncio.get_running_loop().create_future(), runner)
         self._jobs.append(job)
-        if runner is None or self._busy or (pending.cohort is not None and not self._unready()):
+        if runner is None or self._busy:
             self._dispatch()
-        else:
+        elif pending.cohort is None:
             self._gather()
+        else:  # its cohort's last step starts the cohort's batch; the others wait for theirs
+            held = unready([job.pending for job in self._jobs])
+            if len(self._jobs) - 1 in held:
+                self._gather()
+            else:
+                self._dispatch(held=held)
         return await job.future
-
-    def _unready(self) -> set[int]:
-        return unready([job.pending for job in self._jobs])
 
     def _gather(self) -> None:
         """Start the gathering moment, after which the steps waiting run, whether or not their cohorts are all here."""
@@ -132,14 +135,19 @@ class Scheduler:
             delay = min(MAX_GATHER, GATHER_SHARE * self._batch_seconds)
             self._gathering = asyncio.get_running_loop().call_later(delay, self._dispatch, True)
 
-    def _dispatch(self, gathered: bool = False) -> None:
+    def _dispatch(self, gathered: bool = False, held: set[int] | None = None) -> None:
+        """Start the next batch on the compute thread, if it is free: of the steps waiting, those
+        whose cohorts are all here (`held`: the others' indices, if known), or all once `gathered`."""
         if self._gathering is not None:
             self._gathering.cancel()
             self._gathering = None
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
         if self._busy or not self._jobs:
             return
-        held = set() if gathered else self._unready()
+        if gathered:
+            held = set()
+        elif held is None:
+            held = unready([job.pending for job in self._jobs])
         ready = [job for i, job in enumerate(self._jobs) if i not in held]
         if not ready:
             self._gather()
