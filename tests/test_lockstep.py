@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from p2pfusion.client.generate import lockstep as lockstep_module
-from p2pfusion.client.generate.lockstep import Lockstep, arrived, cohort_for
+from p2pfusion.client.generate.lockstep import Lockstep, arrived, cohort_for, named
+from p2pfusion.net import messages as m
 
 
 def test_cohort_policy():
@@ -16,6 +17,15 @@ def test_cohort_policy():
     assert arrived(4, 4) == "go" and arrived(1, 1) == "go"
     assert arrived(4, 3) == "straggler"  # most are back: the rest come from the same batch
     assert arrived(4, 2) == "cycle" and arrived(4, 1) == "cycle"  # out of step: wait for them to come round
+
+
+def test_a_release_names_its_steps_as_the_wire_allows():
+    assert named(1) is None  # a step alone
+    assert named(2).size == 2 and named(m.MAX_COHORT).size == m.MAX_COHORT
+    assert named(m.MAX_COHORT + 1) is None  # more than a name counts: a peer would refuse the step
+    assert len({named(8).tag for _ in range(100)}) == 100
+    for size in (2, m.MAX_COHORT):  # what a peer decodes
+        assert m.from_header(m.to_header(m.Step(step=1, cohort=named(size)))).cohort.size == size
 
 
 TOGETHER = 0.004  # seconds: turns this close were released together (tasks resume one by one)

@@ -19,7 +19,7 @@ other again now and then. A new session joins the smaller cohort and waits, at m
 cycle, for it to come back, so that it falls in step; a member that comes back late is not waited
 for long once most of its cohort is back.
 
-`Lockstep` holds the cohorts' state and its timers; `arrived`, `cohort_for`, `STRAGGLER` and
+`Lockstep` holds the cohorts' state and its timers; `arrived`, `cohort_for`, `named`, `STRAGGLER` and
 `CohortCounts` are its policy, pure.
 """
 
@@ -72,6 +72,15 @@ def arrived(members: int, back: int) -> str:
     if back >= members:
         return "go"
     return "straggler" if 2 * back > members else "cycle"
+
+
+def named(released: int) -> m.Cohort | None:
+    """The name the steps of a release of `released` sessions carry, which the peers run as one
+    batch once all are in: a tag no earlier release had. None for a step alone, and for more steps
+    than a name may count (net/messages.py `MAX_COHORT`): those gather as any burst does."""
+    if not 1 < released <= m.MAX_COHORT:
+        return None
+    return m.Cohort(random.getrandbits(63), released)
 
 
 def _faster(rates: dict[int, deque[float]]) -> int:
@@ -191,8 +200,7 @@ class _Cohort:
                 self.cycle = gap if self.cycle is None else 0.7 * self.cycle + 0.3 * gap
             self.released, self.released_by = now, len(self.members)
         waiting, self.waiting = self.waiting, {}
-        # the peers run these steps as one batch once all are in: a tag no earlier release had
-        together = m.Cohort(random.getrandbits(63), len(waiting)) if len(waiting) > 1 else None
+        together = named(len(waiting))
         for future in waiting.values():
             if not future.done():
                 future.set_result(together)
