@@ -74,11 +74,11 @@ def test_a_serving_peer_reports_what_it_served(tiny_models, caplog):
         result = uvloop.run(_served_and_reported(tiny_models["llama"]))
     pattern = re.compile(
         r"layers 0:2: (\d+) sessions open, (\d+) opened and (\d+) tokens served in the last \d+ s \([\d.]+ tokens/s\); "
-        r"since start, (\d+) of (\d+) queued steps ran in (\d+) batches$"
+        r"since start, (\d+) of (\d+) queued steps ran in (\d+) batches, (\d+) steps of clients' cohorts$"
     )
     reports = [pattern.match(r.getMessage()) for r in caplog.records if r.name == "p2pfusion.peer.upkeep"]
     assert reports and all(reports), [r.getMessage() for r in caplog.records]
     assert sum(int(report[2]) for report in reports) == 1
     assert sum(int(report[3]) for report in reports) == 4 + len(result.token_ids) - 1  # the prompt, then one by one
     assert int(reports[-1][1]) == 0  # the session closed
-    assert int(reports[-1][4]) == 0 and int(reports[-1][6]) == 0  # one session: its steps ran alone
+    assert int(reports[-1][4]) == 0 and int(reports[-1][6]) == 0 and int(reports[-1][7]) == 0  # one session: alone

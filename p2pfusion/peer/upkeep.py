@@ -151,9 +151,10 @@ class Upkeep:
         stats = server.compute.stats
         log.info(
             "layers %d:%d: %d sessions open, %d opened and %d tokens served in the last %.0f s (%.1f tokens/s); "
-            "since start, %d of %d queued steps ran in %d batches",
+            "since start, %d of %d queued steps ran in %d batches, %d steps of clients' cohorts",
             self.peer.record.start, self.peer.record.end, len(server.sessions), server.sessions_opened - sessions,
             served, now - then, served / max(now - then, 1e-9), stats.batched_steps, stats.steps, stats.batches,
+            stats.cohort_steps,
         )
 
     async def _snapshot(self) -> tuple[list[PeerRecord], set[str]]:
