@@ -81,9 +81,8 @@ def main() -> None:
         parser.error(f"--lengths must be integers separated by commas, got {args.lengths!r}")
     if args.sessions < 2 or args.steps < 1 or args.reps < 1 or min(bases) < 1:
         parser.error("--sessions must be at least 2, and --steps, --reps and every length at least 1")
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # as a peer's decode steps run; the header keeps it
     print(machine_header(), flush=True)
-    torch.set_num_threads(1)
     stage = load_stage(resolve_model(None), 0, LAYERS)
     print(f"{args.sessions} sessions, one token a step through {LAYERS} layers of the default model, 1 thread; "
           f"ms per step, medians of {args.reps} x {args.steps} steps", file=sys.stderr)
