@@ -10,7 +10,8 @@ from torch import nn
 from transformers import AutoModelForCausalLM, Gemma2Config
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.client.generate.screen import ScreenedHead, screened_head
+from p2pfusion.client.generate import screen as screening
+from p2pfusion.client.generate.screen import ScreenedHead, final_norm, screened_head
 from tests.conftest import COMMON, reference_model
 
 
@@ -118,6 +119,22 @@ def test_exact_ties_and_inputs_float16_cannot_hold_go_to_the_full_head():
     assert screen.next_token(torch.full((16,), float("nan"))) is None
 
 
+def test_many_near_ties_are_settled_by_their_own_float32_logits_and_too_many_by_the_full_head(monkeypatch):
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(2000, 64, generator=generator) * 0.1
+    x = torch.randn(8, 64, generator=generator)
+    best = int((weight @ x[0]).argmax())
+    for row in range(0, 2000, 4):  # 500 rows within bfloat16's reach of the best, 1e-3 below it in float32
+        if row != best:
+            weight[row] = weight[best] * (1 - 1e-3 * (1 + torch.rand(1, generator=generator)))
+    head = ScreenedHead.of(weight)
+    tokens = head.next_tokens(x, bfloat16=True)
+    assert tokens[0] == best  # hundreds of candidates, each one's float32 logit computed
+    assert all(token is None or token == _full_argmax(weight, row) for token, row in zip(tokens, x))
+    monkeypatch.setattr(screening, "MAX_CANDIDATES", 100)
+    assert head.next_tokens(x, bfloat16=True)[0] is None
+
+
 def test_screen_decides_almost_every_token_of_the_default_model_and_matches_transformers(default_model):
     """At every position of sampled text (varied contexts), the client's greedy token is
     transformers' own greedy choice, and the screen decides it on its own nearly always."""
@@ -143,6 +160,10 @@ def test_screen_decides_almost_every_token_of_the_default_model_and_matches_tran
     screen = screened_head(client.head)
     decided = sum(screen.next_token(client.head.model.norm(hidden)[0, -1]) is not None for hidden in inputs)
     assert decided >= 0.9 * len(inputs)
+    norm = final_norm(client.head)  # the norm module alone, where it is exactly the base model's forward
+    assert norm is client.head.model.norm
+    rows = torch.cat(inputs)
+    assert torch.equal(norm(rows), client.head.base_model(inputs_embeds=rows).last_hidden_state)
 
 
 def test_heads_that_are_not_a_plain_linear_map_are_not_screened():

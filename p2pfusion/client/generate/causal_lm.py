@@ -25,7 +25,7 @@ from p2pfusion.client.generate.greedy import HeadBatcher
 from p2pfusion.client.generate.local_layers import LocalLayers
 from p2pfusion.client.generate.lockstep import Lockstep, load_counts, save_counts
 from p2pfusion.client.generate.sampling import choose_token, nucleus
-from p2pfusion.client.generate.screen import screened_head
+from p2pfusion.client.generate.screen import final_norm, screened_head
 from p2pfusion.client.options import ClientOptions
 from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.pieces import split_batch
@@ -235,13 +235,10 @@ class RemoteCausalLM:
         if temperature <= 0:
             if self._heads is False:
                 screen = screened_head(self.head)
-                self._heads = None if screen is None else HeadBatcher(screen, self._normed, self._exact_token)
+                self._heads = None if screen is None else HeadBatcher(screen, final_norm(self.head), self._exact_token)
             if self._heads is not None:
                 return await self._heads.next_token(hidden[:, -1:])
         return choose_token(self.logits(hidden[:, -1:])[0, -1], temperature, generator, top_p)
-
-    def _normed(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head.base_model(inputs_embeds=hidden).last_hidden_state
 
     def _exact_token(self, last: torch.Tensor) -> int:
         return choose_token(self.logits(last)[0, -1], 0.0, None)
