@@ -135,6 +135,21 @@ def test_many_near_ties_are_settled_by_their_own_float32_logits_and_too_many_by_
     assert head.next_tokens(x, bfloat16=True)[0] is None
 
 
+def test_a_near_tie_is_judged_by_its_own_products_not_by_the_norms():
+    # an input along one axis: sum|w_i x_i| is far below |w| |x|, so a gap under the norms' bound
+    # is still too wide for any float32 summation order to close
+    generator = torch.Generator().manual_seed(5)
+    weight = torch.randn(50, 256, generator=generator) * 0.1
+    x = torch.zeros(2, 256)
+    x[:, 0] = 30.0
+    weight[7, 0], weight[9, 0] = 1.0, 1.0 - 3.3e-4  # logits 30 and 30 - 0.01
+    weight[9, 1:] = 5.0  # a row of large norm: the norms' bound (0.074) exceeds the gap, the products' (0.0018) does not
+    screen = ScreenedHead.of(weight)
+    assert screen.next_tokens(x) == [7, 7]
+    weight[9, 0] = 1.0 - 1e-5  # a gap of 3e-4, within the products' own bound: only the full head can tell
+    assert ScreenedHead.of(weight).next_tokens(x) == [None, None]
+
+
 def test_screen_decides_almost_every_token_of_the_default_model_and_matches_transformers(default_model):
     """At every position of sampled text (varied contexts), the client's greedy token is
     transformers' own greedy choice, and the screen decides it on its own nearly always."""
