@@ -71,19 +71,22 @@ def test_default_model_greedy_32_tokens_match_generate(default_model):
 
 
 async def _batch_logits(source, batch):
-    async with running_peers(source, [(0, 2), (2, 4)]) as (_, maddrs):
+    async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
-            return await RemoteCausalLM.build(source, swarm, compression="none").forward_logits(batch)
+            logits = await RemoteCausalLM.build(source, swarm, compression="none").forward_logits(batch)
+            return logits, [peer.server.sessions_opened for peer in peers]
         finally:
             await swarm.shutdown()
 
 
 def test_batch_forward_in_pipelined_chunks_matches_transformers(tiny_models):
-    """128 tokens through 2 hops go as two 64-token pieces, overlapped; logits must not change."""
+    """128 tokens through 2 hops go as two 64-token pieces, overlapped; logits must not change,
+    and the forward opens one session per hop, for the whole batch."""
     source = tiny_models["qwen2"]
     batch = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(1))
-    logits = uvloop.run(_batch_logits(source, batch))
+    logits, opened = uvloop.run(_batch_logits(source, batch))
+    assert opened == [1, 1]
     with torch.no_grad():
         expected = reference_model(source)(batch).logits
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)

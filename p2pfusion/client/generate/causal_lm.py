@@ -134,14 +134,16 @@ class RemoteCausalLM:
             self._markers = template.markers(self.tokenizer)
         return template.chat_ids(self.tokenizer, messages, self._markers)
 
-    async def open_session(self, length: int, adapter: Adapter | None = None, first: int = 0) -> ResilientSession:
-        """A session with `adapter` (None: the model's own, `self.adapter`) through the layers from
-        `first` on (the client runs those before it: `LocalRun.first`)."""
+    async def open_session(
+        self, length: int, adapter: Adapter | None = None, first: int = 0, batch: int = 1
+    ) -> ResilientSession:
+        """A session of `batch` sequences with `adapter` (None: the model's own, `self.adapter`)
+        through the layers from `first` on (the client runs those before it: `LocalRun.first`)."""
         adapter = self.adapter if adapter is None else adapter
         params = None if adapter is None else adapter.session_params()
         if params is not None:
             params = params.layers(first, self.core.num_layers)  # a hop refuses parameters of layers before its own
-        return await self.core.open_session(length, params, first=first)
+        return await self.core.open_session(length, params, batch=batch, first=first)
 
     async def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward and backward pass through the swarm: the loss (as transformers computes it from
@@ -168,7 +170,8 @@ class RemoteCausalLM:
         if input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise RequestError(f"input_ids must have shape [batch, tokens], got {list(input_ids.shape)}")
         local = await self.local.run(self.adapter)
-        session = await self.open_session(input_ids.shape[1], first=local.first)
+        # opened for the whole batch: a session opened for fewer sequences would open again at its first step
+        session = await self.open_session(input_ids.shape[1], first=local.first, batch=input_ids.shape[0])
         verifier = self.core.verifier(session)
         try:
             with torch.inference_mode():

@@ -18,6 +18,7 @@ from contextvars import ContextVar
 
 import torch
 
+from p2pfusion.client.loop import all_or_first_error
 from p2pfusion.client.route.pings import Answer, ping
 from p2pfusion.client.route.claims import FalseClaim, Stream, admitted, blamed, claim_subject, needs_ping
 from p2pfusion.dht.records import PeerRecord
@@ -122,17 +123,8 @@ class RouteSession:
     async def open(self) -> RouteSession:
         await self._measure_links()
         try:
-            sink_reader, self._sink = await self._dial(self.route[-1])
-            await self._write(self._sink, self.route[-1], m.to_header(m.Subscribe(self.session_id)))
-            await self._expect_ack(sink_reader, Stream.SINK)
-            head_reader, self._head = await self._dial(self.route[0])
-            hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
-            opening = m.Open(
-                self.session_id, self.length, hops, self.compression, self.purpose, self.first_link, self.last_link,
-                self.batch, client=serving.get(),
-            )
-            await self._write(self._head, self.route[0], m.to_header(opening))
-            await self._expect_ack(head_reader, Stream.HEAD)
+            # the last hop pairs the two, whichever comes first (peer/sinks.py)
+            sink_reader, head_reader = await all_or_first_error([self._subscribe(), self._open_head()])
         except BaseException:
             await self.close()
             raise
@@ -141,6 +133,25 @@ class RouteSession:
             asyncio.create_task(self._pump(head_reader, Stream.HEAD)),
         ]
         return self
+
+    async def _subscribe(self):
+        """The result stream from the last hop, acknowledged; its reader."""
+        reader, self._sink = await self._dial(self.route[-1])
+        await self._write(self._sink, self.route[-1], m.to_header(m.Subscribe(self.session_id)))
+        await self._expect_ack(reader, Stream.SINK)
+        return reader
+
+    async def _open_head(self):
+        """The session, opened at the first hop and relayed by each hop to the next, acknowledged; its reader."""
+        reader, self._head = await self._dial(self.route[0])
+        hops = [m.Hop(r.peer_id, r.data_addrs, r.start, r.end) for r in self.route]
+        opening = m.Open(
+            self.session_id, self.length, hops, self.compression, self.purpose, self.first_link, self.last_link,
+            self.batch, client=serving.get(),
+        )
+        await self._write(self._head, self.route[0], m.to_header(opening))
+        await self._expect_ack(reader, Stream.HEAD)
+        return reader
 
     async def _pump(self, reader, stream: Stream) -> None:
         """Take in what the stream's peer sends: frames this stream may carry, for steps sent;

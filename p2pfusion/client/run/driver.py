@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from p2pfusion.client.loop import all_or_first_error
 from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.run.config import RunConfig
@@ -177,7 +178,7 @@ class TrainingRun:
             parts = split_rows(input_ids.shape[0], len(routes))
             jobs = [self._micro(route, hidden[a:b], labels[a:b], None if mask is None else mask[a:b]) for route, (a, b) in zip(routes, parts)]
             try:
-                results = await _all(jobs)
+                results = await all_or_first_error(jobs)
                 break
             except PeerFailed as exc:
                 await self._lost(exc, routes)
@@ -401,17 +402,3 @@ class TrainingRun:
                 raise RouteError(f"no replica of layers {stage[0].start}:{stage[0].end} sent its weights")
         return weights
 
-
-async def _all(coros) -> list:
-    """Every result, or the first error with the others cancelled (their sessions close)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in tasks:
-            if task.done() and task.exception() is not None:
-                raise task.exception()
-        return [task.result() for task in tasks]
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -62,7 +62,7 @@ class RemoteCache(Cache):
     def step(self, hidden: torch.Tensor, mask: torch.Tensor | None, positions: torch.Tensor, tokens: int) -> torch.Tensor:
         swarm, core = self.swarm, self.swarm.core
         if self.session is None:
-            self.session = swarm.run(core.open_session(self.session_length, self.params))
+            self.session = swarm.run(core.open_session(self.session_length, self.params, batch=hidden.shape[0]))
             self.verifier = core.verifier(self.session)
         if self.verifier is None:
             out = swarm.run(self.session.step(hidden, mask, positions))

@@ -51,7 +51,7 @@ class SwarmLayers:
             outputs = []
             for i in range(0, hidden.shape[0], rows):  # each chunk of rows is a batch with its own caches
                 part = slice(i, i + rows)
-                session = await core.open_session(hidden.shape[1], params)
+                session = await core.open_session(hidden.shape[1], params, batch=hidden[part].shape[0])
                 try:
                     outputs.append(await session.step(hidden[part], None if mask is None else mask[part], positions[part]))
                 finally:
