@@ -14,14 +14,16 @@ EOS, all sessions started together (asyncio.gather on one RemoteCausalLM, result
   sessions (small N runs again until --min-gaps gaps are pooled);
 - errors: sessions that raised; peak RSS: VmHWM of each peer process, reset before each N;
 - reference: transformers' `generate` of the N prompts left-padded in one batch, greedy, the same
-  tokens, decode only (time of T tokens minus time of 1), the better of 1 thread and all threads.
+  tokens, decode only (time of T tokens minus time of 1), the better of 1 thread and all threads,
+  run just before the swarm's; with --pairs P, P such pairs per N, and the table shows the pair
+  whose ratio is the median.
 Abusers (a separate process dialling through libp2p, so that the peers see another client than
 the normal sessions' 127.0.0.1):
 - sessions: opens sessions of 2,048 positions as fast as peers allow and holds them idle;
 - prefills: three loops of 2,048-token prefills.
 Results on stdout, logs and progress on stderr.
 
-Usage: python scripts/bench_load.py [--sessions 1,2,4,8,16] [--tokens 64] [--abusers sessions,prefills] [--quick]
+Usage: python scripts/bench_load.py [--sessions 1,2,4,8,16] [--tokens 64] [--pairs 1] [--abusers sessions,prefills] [--quick]
        [--peer-args "--decode-threads 2"]
 """
 
@@ -308,13 +310,16 @@ async def bench(args, source, local, pad: int, swarm: LocalSwarm) -> tuple[list[
         rows = []
         for n in args.sessions:
             batch = prompts(model, n)
-            rate, threads = local_rate(local, batch, args.tokens, pad)
-            run = await measure(model, batch, args.tokens, args.min_gaps, pids)
-            rows.append(Row(run, rate, threads))
-            print(f"{n} sessions: {run.all_rate:.1f} tok/s all decoding, {run.rate:.1f} first to last "
-                  f"(local batched {rate:.1f} on {threads} threads), "
-                  f"p50 {run.latency(0.5) * 1e3:.0f} ms, p99 {run.latency(0.99) * 1e3:.0f} ms, "
-                  f"{len(run.errors)} errors{': ' + run.errors[0] if run.errors else ''}", file=sys.stderr)
+            pairs = []
+            for _ in range(args.pairs):  # the reference, then the swarm, right after it
+                rate, threads = local_rate(local, batch, args.tokens, pad)
+                run = await measure(model, batch, args.tokens, args.min_gaps, pids)
+                pairs.append(Row(run, rate, threads))
+                print(f"{n} sessions: {run.all_rate:.1f} tok/s all decoding, {run.rate:.1f} first to last "
+                      f"(local batched {rate:.1f} on {threads} threads: {run.all_rate / rate:.2f}), "
+                      f"p50 {run.latency(0.5) * 1e3:.0f} ms, p99 {run.latency(0.99) * 1e3:.0f} ms, "
+                      f"{len(run.errors)} errors{': ' + run.errors[0] if run.errors else ''}", file=sys.stderr)
+            rows.append(median_pair(pairs))
         abused: dict[str, tuple[LoadRun, str]] = {}
         normal = prompts(model, NORMAL_SESSIONS)
         for kind in ["none", *args.abusers]:
@@ -329,6 +334,14 @@ async def bench(args, source, local, pad: int, swarm: LocalSwarm) -> tuple[list[
         return rows, abused
     finally:
         await client.shutdown()
+
+
+def median_pair(pairs: list[Row]) -> Row:
+    """The pair whose ratio (all decoding) is the median of theirs (the lower middle one of an even
+    count): a pair's two sides ran within seconds of each other, so their ratio is what holds
+    when the machine's speed moves between pairs."""
+    ranked = sorted(pairs, key=lambda row: row.run.all_rate / row.local)
+    return ranked[(len(ranked) - 1) // 2]
 
 
 def verdict(ok: bool | None) -> str:
@@ -388,6 +401,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per session")
     parser.add_argument("--abusers", default=",".join(ABUSERS), help="abusive clients to run beside 4 normal ones")
     parser.add_argument("--min-gaps", type=int, default=256, help="token gaps pooled per N (small N run again)")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="reference and swarm runs per N, one after the other; the table shows the median pair")
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--peer-args", default="", help="more run-peer arguments, e.g. '--decode-threads 2'")
     parser.add_argument("--quick", action="store_true", help="1, 2 and 4 sessions of 16 tokens, for development")
@@ -407,8 +422,8 @@ def main() -> None:
     args.abusers = [a for a in args.abusers.split(",") if a]
     if unknown := set(args.abusers) - set(ABUSERS):
         parser.error(f"unknown abusers {sorted(unknown)}; known: {', '.join(ABUSERS)}")
-    if args.tokens < 2 or min(args.sessions, default=1) < 1:
-        parser.error("--tokens must be at least 2 and every session count at least 1")
+    if args.tokens < 2 or min(args.sessions, default=1) < 1 or args.pairs < 1:
+        parser.error("--tokens must be at least 2, and --pairs and every session count at least 1")
 
     source = resolve_model(None)
     local = AutoModelForCausalLM.from_pretrained(source.folder, dtype=torch.float32).eval()

@@ -69,7 +69,7 @@ def inference_rows(runs: int, logs: Path) -> list[Row]:
 
 
 def load_rows(logs: Path) -> list[Row]:
-    out = run("bench_load.py", ["--sessions", "1,8", "--abusers", ""], logs)
+    out = run("bench_load.py", ["--sessions", "1,8", "--abusers", "", "--pairs", "3"], logs)
     ratio = find(r"aggregate at N=8, all decoding.*?: " + NUMBER, out)
     p99 = find(r"p99 at N=8 <= 3x p99 at N=1: " + NUMBER, out)
     return [
@@ -81,7 +81,7 @@ def load_rows(logs: Path) -> list[Row]:
 
 
 def api_rows(logs: Path) -> list[Row]:
-    out = run("bench_api.py", ["--runs", "2", "--concurrent", "8"], logs)
+    out = run("bench_api.py", ["--runs", "2", "--concurrent", "8", "--rounds", "3"], logs)
     api = find(r"local batched generate of 8.*?all decoding, API " + NUMBER, out)
     overhead = find(r"the API costs at most 5% of decode tokens/s: ([-+0-9.]+)%", out)
     return [

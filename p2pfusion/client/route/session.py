@@ -18,7 +18,7 @@ from contextvars import ContextVar
 
 import torch
 
-from p2pfusion.client.loop import all_or_first_error
+from p2pfusion.client.route.tasks import all_or_first_error
 from p2pfusion.client.route.pings import Answer, ping
 from p2pfusion.client.route.claims import FalseClaim, Stream, admitted, blamed, claim_subject, needs_ping
 from p2pfusion.dht.records import PeerRecord

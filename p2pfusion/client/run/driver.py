@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from p2pfusion.client.loop import all_or_first_error
+from p2pfusion.client.route.tasks import all_or_first_error
 from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.client.run.config import RunConfig
