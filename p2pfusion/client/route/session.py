@@ -18,7 +18,6 @@ from contextvars import ContextVar
 
 import torch
 
-from p2pfusion.client.route.tasks import all_or_first_error
 from p2pfusion.client.route.pings import Answer, ping
 from p2pfusion.client.route.claims import FalseClaim, Stream, admitted, blamed, claim_subject, needs_ping
 from p2pfusion.dht.records import PeerRecord
@@ -28,6 +27,7 @@ from p2pfusion.net.codecs import pack
 from p2pfusion.client.route.params import SessionParams
 from p2pfusion.client.route.pieces import chunk_sizes
 from p2pfusion.client.route.receipts import SignedSteps
+from p2pfusion.client.route.tasks import all_or_first_error
 from p2pfusion.net.compression import AUTO, Compression, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import BadTensor, FrameError, FrameLimits, read_frame, write_frame
 from p2pfusion.net.links import LinkBook

@@ -25,9 +25,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from p2pfusion.client.route.tasks import all_or_first_error
 from p2pfusion.client.route.pieces import split_batch
 from p2pfusion.client.route.session import RouteSession
+from p2pfusion.client.route.tasks import all_or_first_error
 from p2pfusion.client.run.config import RunConfig
 from p2pfusion.client.run.replicas import astray, chains, served, split_rows, stages
 from p2pfusion.dht.records import MAX_REPLICAS, PeerRecord, PeerState, RunCharter
