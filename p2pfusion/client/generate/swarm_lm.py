@@ -11,6 +11,7 @@ ever used by two threads at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
@@ -249,8 +250,12 @@ class TokenStream:
         if self._ended:
             raise StopAsyncIteration
         if self._task is None:
-            self._task = asyncio.create_task(self._lm.run(self.request, self._queue.put_nowait, lambda: self._ended))
-            self._task.add_done_callback(lambda _: self._queue.put_nowait(None))
+            # a piece reaches the reader one turn of the loop later: the steps that this turn sends
+            # for the client's other sessions (a cohort, client/generate/lockstep.py) go out first,
+            # not after each reader's work on the piece before them (an HTTP event, for the API)
+            deliver = functools.partial(asyncio.get_running_loop().call_soon, self._queue.put_nowait)
+            self._task = asyncio.create_task(self._lm.run(self.request, deliver, lambda: self._ended))
+            self._task.add_done_callback(lambda _: self._queue.put_nowait(None))  # after the last piece: call_soon is in order
         piece = await self._queue.get()
         if piece is None:
             self._ended = True
