@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--canaries", type=int, default=20)
     parser.add_argument("--honest", type=int, default=0, metavar="N")
     parser.add_argument("--corruptions", type=lambda t: t.split(","), default=list(CORRUPTIONS),
-                        help=f"comma-separated, of: {', '.join(CORRUPTIONS)}")
+                        help="comma-separated, of: " + ", ".join(CORRUPTIONS).replace("%", "%%"))
     parser.add_argument("--skip-conviction", action="store_true")
     args = parser.parse_args()
     print(machine_header(), flush=True)

@@ -366,7 +366,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--rates", type=lambda t: [float(x) for x in t.split(",")], default=[0.02, 0.1, 1.0])
     parser.add_argument("--corruptions", type=lambda t: t.split(","), default=list(CORRUPTIONS),
-                        help=f"comma-separated, of: {', '.join(CORRUPTIONS)}")
+                        help="comma-separated, of: " + ", ".join(CORRUPTIONS).replace("%", "%%"))
     parser.add_argument("--cost-runs", type=int, default=3)
     parser.add_argument("--skip-cost", action="store_true")
     parser.add_argument("--skip-detection", action="store_true")

@@ -238,6 +238,37 @@ def test_the_hosts_script_names_the_interpreter_to_use_when_sudo_drops_the_virtu
     assert "sudo .venv/bin/python scripts/hosts_swarm.py" in readme and "sudo python scripts" not in readme
 
 
+_EVERY_HELP = """
+import contextlib, io, runpy, sys
+sys.path.insert(0, "scripts")
+for path in sys.argv[1:]:
+    sys.argv = [path, "--help"]
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as done:
+        if done.code not in (0, None) or "usage:" not in out.getvalue():
+            print(path, "exited", done.code)
+    except Exception as exc:
+        print(path, repr(exc))
+    else:
+        print(path, "did not stop at --help")
+"""
+
+
+def test_every_script_prints_its_help():
+    """`--help` of every bench and tool script prints its usage (a help text is a %-format: a bare
+    percent sign in one broke two of them); one process imports their libraries once."""
+    root = Path(__file__).parents[1]
+    scripts = sorted(str(p.relative_to(root)) for p in (root / "scripts").glob("*.py")
+                     if '__name__ == "__main__"' in p.read_text())
+    assert len(scripts) > 20
+    proc = subprocess.run([sys.executable, "-c", _EVERY_HELP, *scripts], cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr[-2000:]
+
+
 def test_an_unreachable_swarm_is_said_before_the_model_has_loaded():
     """`infer` joins the swarm while its model loads: a dead peer is the error, and no line about the
     loaded model comes first."""
