@@ -2,6 +2,7 @@
 real peers on 127.0.0.1 where untrusted peers claim to be the fastest, and never get a session."""
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -147,6 +148,15 @@ def test_verification_checks_only_against_trusted_peers(swarm):
     after = opened(peers)
     assert after["u0"] == before["u0"] and after["u"] == before["u"]
     assert after["t2"] > before["t2"] and after["t3"] > before["t3"]  # the route and its check
+
+
+def test_the_layers_no_second_trusted_peer_serves_are_named_once_in_one_line(swarm, caplog):
+    source, loop, peers, client, expected = swarm
+    with caplog.at_level(logging.WARNING):
+        result = loop.run(generate(source, client, ids_of(peers, "t1", "t2"), verify=1.0))
+    assert result.token_ids == expected
+    said = [r.getMessage() for r in caplog.records if "cannot be verified" in r.getMessage()]
+    assert said == ["layers 0:2 and 2:4 cannot be verified: no other peer you trust (--trusted-peers) serves them"]
 
 
 async def step_by_step(source, client, trusted, extra, act) -> tuple[list[int], int, str]:

@@ -324,9 +324,12 @@ class Verifier:
             avoid |= silent
 
     def _warn_unchecked(self, ranges: list[tuple[int, int]]) -> None:
-        for start, end in ranges:  # once per process and range: every request would say it again
+        """Once per process and range (every request would say it again), the new ranges in one line."""
+        new = [f"{start}:{end}" for start, end in ranges if self.access.first_time(f"unchecked {start}:{end}")]
+        if new:
             others = "no other peer you trust (--trusted-peers)" if self.access.trusted is not None else "no other peer"
-            self.access.once(f"unchecked {start}:{end}", f"layers {start}:{end} cannot be verified: {others} serves them")
+            listed = new[0] if len(new) == 1 else f"{', '.join(new[:-1])} and {new[-1]}"
+            log.warning("layers %s cannot be verified: %s serves them", listed, others)
 
     async def _drop_shadow(self) -> None:
         shadow, self._shadow, self._shadow_length = self._shadow, None, 0

@@ -75,11 +75,12 @@ class SwarmAccess:
             self._said[kind] = now
             log.warning("%s", text)
 
-    def once(self, kind: str, text: str) -> None:
-        """A warning for the user, the first time only."""
-        if kind not in self._said:
-            self._said[kind] = time.monotonic()
-            log.warning("%s", text)
+    def first_time(self, kind: str) -> bool:
+        """Whether no warning of this kind went out yet (one does now): for what the user is told once."""
+        if kind in self._said:
+            return False
+        self._said[kind] = time.monotonic()
+        return True
 
     async def records(self, first: int = 0) -> list[PeerRecord]:
         """The model's records that routing may use: every place that routes reads them here. With
