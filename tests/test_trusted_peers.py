@@ -156,7 +156,7 @@ def test_the_layers_no_second_trusted_peer_serves_are_named_once_in_one_line(swa
         result = loop.run(generate(source, client, ids_of(peers, "t1", "t2"), verify=1.0))
     assert result.token_ids == expected
     said = [r.getMessage() for r in caplog.records if "cannot be verified" in r.getMessage()]
-    assert said == ["layers 0:2 and 2:4 cannot be verified: no other peer you trust (--trusted-peers) serves them"]
+    assert said == ["layers 0:2, 2:4 cannot be verified: no other peer you trust (--trusted-peers) serves them"]
 
 
 async def step_by_step(source, client, trusted, extra, act) -> tuple[list[int], int, str]:

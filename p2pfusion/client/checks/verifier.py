@@ -34,6 +34,7 @@ from p2pfusion.client.checks.policy import (
     unchecked_layers,
 )
 from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, SCREEN_BUDGET, ResilientSession, cut, joined
+from p2pfusion.client.route.planner import format_ranges
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RouteError
@@ -325,11 +326,10 @@ class Verifier:
 
     def _warn_unchecked(self, ranges: list[tuple[int, int]]) -> None:
         """Once per process and range (every request would say it again), the new ranges in one line."""
-        new = [f"{start}:{end}" for start, end in ranges if self.access.first_time(f"unchecked {start}:{end}")]
+        new = [(start, end) for start, end in ranges if self.access.first_time(f"unchecked {start}:{end}")]
         if new:
             others = "no other peer you trust (--trusted-peers)" if self.access.trusted is not None else "no other peer"
-            listed = new[0] if len(new) == 1 else f"{', '.join(new[:-1])} and {new[-1]}"
-            log.warning("layers %s cannot be verified: %s serves them", listed, others)
+            log.warning("layers %s cannot be verified: %s serves them", format_ranges(new), others)
 
     async def _drop_shadow(self) -> None:
         shadow, self._shadow, self._shadow_length = self._shadow, None, 0
