@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.run.replicas import astray, chains, served, split_rows, stages
 from p2pfusion.client.route.session import RouteSession
+from p2pfusion.client.run import driver
 from p2pfusion.client.run.trainer import SwarmTrainer
 from p2pfusion.dht.records import PeerState, RunCharter
 from p2pfusion.dht.swarm import join_swarm
@@ -255,6 +256,28 @@ def test_a_replica_whose_outer_step_went_otherwise_copies_the_weights_most_repli
             assert odd.step == replicas[0].step  # back in the run's steps
             trainer.outer_step()
             assert odd.digest == replicas[0].digest == replicas[1].digest
+
+
+def test_a_replica_the_others_left_out_sits_out_the_run_though_it_then_fails_the_round(tiny_models, monkeypatch):
+    """A replica sends misshapen tensors: the others' means leave it out, and its own outer step
+    then fails. Failing the round (a short reason) must not bring it back before the longer one
+    ends, nor be asked again within the round; else it wastes micro-batches every few steps."""
+    monkeypatch.setattr(driver, "AVOID_SECONDS", 0.2)
+    source = tiny_models["llama"]
+    with peers_in_background(source, [(0, 2), (0, 2), (0, 2), (2, 4)], train="misshapen") as (peers, maddrs, loop):
+        replicas = [p.training.replica for p in peers[:3]]
+        liar = replicas[2]
+        honest = liar.pseudo_gradient
+        liar.pseudo_gradient = lambda: [d.reshape(-1)[1:] for d in honest()]
+        with SwarmTrainer.connect(str(source.folder), maddrs, run="misshapen", sync_every=100, lr=LR) as trainer:
+            trainer.step(BATCHES[0])
+            trainer.outer_step()
+            assert replicas[0].digest == replicas[1].digest and liar.round == 0
+            time.sleep(0.5)  # past AVOID_SECONDS, far from EVICT_SECONDS
+            trainer.step(BATCHES[1])  # back in the run, it would be told to copy the others' weights now
+            time.sleep(1.0)
+            trainer.step(BATCHES[2])  # and would take this step
+            assert replicas[0].step == 3 and (liar.step, liar.round) == (1, 0)
 
 
 def test_micro_batches_spread_over_replicas_and_stages_must_tile():

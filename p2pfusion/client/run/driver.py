@@ -103,7 +103,7 @@ class TrainingRun:
             if r.state == PeerState.ONLINE and (allowed is None or r.peer_id in allowed)
         ]
         await self._write_charter({r.peer_id for r in records})
-        return [r for r in records if self._avoid.get(r.peer_id, 0.0) <= now]
+        return [r for r in records if not self._sits_out(r.peer_id, now)]
 
     async def _write_charter(self, online: set[str]) -> None:
         """List `online` in the charter (with those listed before, as room allows), and write it
@@ -129,7 +129,7 @@ class TrainingRun:
             elif isinstance(answer, BaseException) and not isinstance(answer, P2PFusionError):
                 raise answer
             else:
-                self._avoid[record.peer_id] = time.monotonic() + AVOID_SECONDS
+                self._sit_out(record.peer_id, AVOID_SECONDS)
         return out
 
     def _status_request(self, record: PeerRecord) -> t.Status:
@@ -245,7 +245,7 @@ class TrainingRun:
             )
             gone = set(silent)
         for peer_id in gone:
-            self._avoid[peer_id] = time.monotonic() + AVOID_SECONDS
+            self._sit_out(peer_id, AVOID_SECONDS)
             self._ready.pop(peer_id, None)
         self.redone += 1
         log.warning(
@@ -270,7 +270,7 @@ class TrainingRun:
         ], return_exceptions=True)
         for peer_id, answer in zip(records, answers):
             if isinstance(answer, P2PFusionError):  # it goes on with the others; it catches up at the next round
-                self._avoid[peer_id] = time.monotonic() + AVOID_SECONDS
+                self._sit_out(peer_id, AVOID_SECONDS)
                 self._ready.pop(peer_id, None)
                 log.warning("training run %s: replica %s did not take step %d: %s", config.run, peer_id, self.step, answer)
             elif isinstance(answer, BaseException):
@@ -317,7 +317,9 @@ class TrainingRun:
             for _, answer in failed:
                 if not isinstance(answer, P2PFusionError):
                     raise answer
-            where = await self._statuses([r for r, _ in failed])
+            # a member the others' means just left out is not asked again: it sits out the run
+            now = time.monotonic()
+            where = await self._statuses([r for r, _ in failed if not self._sits_out(r.peer_id, now)])
             members = [r for r, _ in failed if r.peer_id in where and where[r.peer_id].round == self.round]
             log.warning(
                 "training run %s: outer step %d of layers %s failed (%s); again with %d replicas",
@@ -328,7 +330,7 @@ class TrainingRun:
         if not took:
             raise RouteError(f"training run {config.run}: outer step {self.round} failed {ROUND_ATTEMPTS} times")
         for record in members:
-            self._avoid[record.peer_id] = time.monotonic() + AVOID_SECONDS
+            self._sit_out(record.peer_id, AVOID_SECONDS)
             self._ready.pop(record.peer_id, None)
         log.warning("training run %s: %s failed outer step %d %d times; going on without them",
                     config.run, ", ".join(r.peer_id for r in members), self.round, ROUND_ATTEMPTS)
@@ -361,8 +363,16 @@ class TrainingRun:
             )
 
     def _leave_out(self, peer: str) -> None:
-        self._avoid[peer] = time.monotonic() + EVICT_SECONDS
+        self._sit_out(peer, EVICT_SECONDS)
         self._ready.pop(peer, None)
+
+    def _sit_out(self, peer: str, seconds: float) -> None:
+        """Leave `peer` out of routes and rounds for `seconds` at least: a later, shorter reason
+        (it failed a step) never cuts short a longer one (the others' means left it out)."""
+        self._avoid[peer] = max(self._avoid.get(peer, 0.0), time.monotonic() + seconds)
+
+    def _sits_out(self, peer: str, now: float) -> bool:
+        return self._avoid.get(peer, 0.0) > now
 
     def _evict(self, done: list[t.OuterDone], layers: str) -> None:
         """Leave out of the run, for EVICT_SECONDS, the replicas that most members' robust means
