@@ -1,6 +1,8 @@
 """A real peer answers bad requests with an error to that caller and keeps serving everyone else."""
 
+import asyncio
 import struct
+import time
 
 import torch
 import uvloop
@@ -101,3 +103,37 @@ def test_peer_survives_malformed_requests(tiny_models):
     head_norm = RemoteCausalLM.build(source).head.model.norm
     for out in (good, recovered, fresh):
         torch.testing.assert_close(head_norm(out), expected, atol=1e-5, rtol=0)
+
+
+async def _bombs(source):
+    """A session sends bad tensors back to back, each after the answer to the one before; returns
+    how long each answer took, and whether another session's step got through while the peer
+    paused before reading the bad session's next frame."""
+    async with running_peers(source, [(0, 4)]) as (_, maddrs):
+        client = await join_swarm(maddrs, client_mode=True)
+        model = RemoteCausalLM.build(source, client)
+        good, bad = await model.open_session(8), await model.open_session(8)
+        spec = {"codec": "int8", "dtype": "float32", "shape": [1, 1, 64], "parts": [64, 4, 16, 4]}
+        bomb = raw_frame({**m.to_header(m.Step(step=1)), "tensor": spec}, bytes(88))
+        waited = []
+        for _ in range(8):
+            t0 = time.perf_counter()
+            bad.session._head.write(bomb)
+            reply, _ = await bad.session._inbox.get()
+            waited.append(time.perf_counter() - t0)
+            assert "exception" in reply.message
+        bad.session._head.write(bomb)  # read only after the pause the eighth earned
+        answer = asyncio.ensure_future(bad.session._inbox.get())
+        step = asyncio.ensure_future(good.step(model.embed(IDS[:1])))
+        done, _ = await asyncio.wait({answer, step}, return_when=asyncio.FIRST_COMPLETED)
+        served_meanwhile = step in done and answer not in done
+        await asyncio.gather(answer, step)
+        await client.shutdown()
+    return waited, served_meanwhile
+
+
+def test_a_source_that_keeps_sending_bad_tensors_is_read_ever_more_slowly(tiny_models):
+    waited, served_meanwhile = uvloop.run(_bombs(tiny_models["llama"]))
+    # the pauses after the 4th to 7th bad tensors: 0.05, 0.1, 0.2 and 0.4 s (a little less as counts decay)
+    assert sum(waited[4:]) > 0.6, waited
+    assert served_meanwhile

@@ -36,6 +36,7 @@ from p2pfusion.peer.directory import HopDirectory, dial_addrs
 from p2pfusion.peer.heap import HeapTrimmer
 from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits, token_bytes
 from p2pfusion.peer.metrics import StageMetrics
+from p2pfusion.peer.penalties import BadTensorCounts
 from p2pfusion.peer.relay import relay, screen
 from p2pfusion.peer.session import Session
 from p2pfusion.peer.sinks import SUBSCRIBE_WAIT, ResultStreams
@@ -77,6 +78,7 @@ class StageServer:
         self.sessions_opened = 0  # since start, for the peer's periodic report
         self.sessions: dict[str, Session] = {}
         self.results = ResultStreams()
+        self.bad_tensors = BadTensorCounts()
         self.compute = StageCompute(decode, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
         self.heap = HeapTrimmer(lambda: self.compute.idle)
         self.draining = False
@@ -177,7 +179,7 @@ class StageServer:
         self.results.attach(msg.session_id, writer)
         try:
             await write(writer, m.to_header(m.Ack()))
-            await self._serve_gradients(msg.session_id, reader, writer)
+            await self._serve_gradients(msg.session_id, reader, writer, source.address)
         finally:
             self.results.detach(msg.session_id)
 
@@ -310,8 +312,13 @@ class StageServer:
                     f"{self.limits.idle_timeout:g} s without a step; open it again", self.peer_id,
                 ) from None
             except BadTensor as exc:
-                self.metrics.error(exc)
-                await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
+                await self._refuse_tensor(exc, writer, session.source)
+
+    async def _refuse_tensor(self, exc: BadTensor, writer, source: str) -> None:
+        """Answer a bad tensor; a source that keeps sending them waits before its stream is read on."""
+        self.metrics.error(exc)
+        await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
+        await asyncio.sleep(self.bad_tensors.pause(source, time.monotonic()))
 
     async def _on_frame(self, session: Session, frame, writer) -> bool:
         """One frame of a session; False at its Close. Its tensors go when this returns: nothing is
@@ -402,7 +409,7 @@ class StageServer:
         await write(session.upstream, m.to_header(m.Backward(message.step, timings)), session.pack(grad_in, upstream=True))
         self.metrics.step(session, arrived, seconds, inputs.hidden.shape[0] * inputs.hidden.shape[1], backward=True)
 
-    async def _serve_gradients(self, session_id: str, reader, writer) -> None:
+    async def _serve_gradients(self, session_id: str, reader, writer, source: str) -> None:
         """On the client's stream to the last hop: take gradients until the client closes it, or
         until no session uses it (none opened within SUBSCRIBE_WAIT, or it ended)."""
         while True:
@@ -415,8 +422,7 @@ class StageServer:
                     continue
                 return
             except BadTensor as exc:
-                self.metrics.error(exc)
-                await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
+                await self._refuse_tensor(exc, writer, source)
                 continue
             except (EOFError, ConnectionError):
                 return
