@@ -5,6 +5,7 @@ import asyncio
 import gc
 import os
 import threading
+import time
 import weakref
 
 import pytest
@@ -195,6 +196,84 @@ def test_bulk_work_runs_at_a_lower_os_priority_than_decode_steps():
     decode, bulk, again = asyncio.run(main())
     assert decode == again == priority()
     assert bulk == min(19, decode + scheduler_module.BULK_NICE)
+
+
+@pytest.mark.parametrize("alone", [False, True])
+def test_decode_steps_run_beside_a_bulk_job_only_when_it_allows(alone):
+    """A prefill chunk that lets others run beside it does not hold up decode steps, batched or
+    not; one that must run alone (training, an adapter on the shared module) does, and a second
+    bulk job waits for the first either way."""
+    chunk_may_end = threading.Event()
+    ran = []
+
+    def chunk(name):
+        ran.append(f"{name} starts")
+        chunk_may_end.wait(10)
+        ran.append(f"{name} ends")
+
+    def decode(name):
+        ran.append(name)
+        return name
+
+    async def main():
+        scheduler = scheduler_module.Scheduler()
+        try:
+            first = asyncio.ensure_future(scheduler.run("ip:a", 256, True, chunk, "chunk", alone=alone))
+            await asyncio.sleep(0.05)
+            second = asyncio.ensure_future(scheduler.run("ip:a", 256, True, chunk, "chunk 2", alone=False))
+            steps = asyncio.gather(
+                scheduler.run("ip:b", 1, False, decode, "step", alone=False),
+                scheduler.run_batched("ip:b", 1, "stage", lambda items: [decode(i) for i in items], "batched"),
+            )
+            await asyncio.sleep(0.3)
+            beside = list(ran)
+            chunk_may_end.set()
+            await asyncio.gather(first, second, steps)
+            return beside
+        finally:
+            scheduler.shutdown()
+
+    beside = asyncio.run(main())
+    if alone:
+        assert beside == ["chunk starts"]
+    else:
+        assert beside == ["chunk starts", "step", "batched"]
+    assert ran.index("chunk 2 starts") > ran.index("chunk ends")
+
+
+def test_a_returning_users_prompt_runs_before_a_busy_units_next_chunks():
+    """A unit prefilling chunk after chunk, and a user that comes back with a two-chunk prompt:
+    the user's chunks run next, one after the other, after the chunk running when it came; not
+    each behind another of the busy unit's."""
+    ran = []
+
+    def chunk(name):
+        ran.append(name)
+        time.sleep(0.02)
+
+    async def main():
+        scheduler = scheduler_module.Scheduler()
+        flooding = True
+
+        async def flood():
+            while flooding:
+                await scheduler.run("ip:b", 64, True, chunk, "flood", alone=False)
+
+        try:
+            busy = asyncio.ensure_future(flood())
+            await scheduler.run("ip:a", 8, True, chunk, "user earlier", alone=False)
+            await asyncio.sleep(0.3)
+            came = len(ran)
+            for name in ("prompt 1", "prompt 2"):
+                await scheduler.run("ip:a", 24, True, chunk, name, alone=False)
+            flooding = False
+            await busy
+            return came
+        finally:
+            scheduler.shutdown()
+
+    came = asyncio.run(main())
+    assert ran[came:came + 2] == ["prompt 1", "prompt 2"] or ran[came + 1:came + 3] == ["prompt 1", "prompt 2"], ran[came - 2:]
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

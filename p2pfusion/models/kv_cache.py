@@ -126,6 +126,11 @@ class SessionCache(Cache):
             layer.keep(length)
 
     @property
+    def grouped(self) -> bool:
+        """Whether some layer's positions live in a batch buffer shared with other sessions."""
+        return any(layer.group is not None for layer in self.layers)
+
+    @property
     def rows(self) -> int:
         """Sequences the cache holds (0 before its first step)."""
         return 0 if self.layers[0].keys is None else self.layers[0].keys.shape[0]

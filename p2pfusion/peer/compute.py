@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from p2pfusion.models.formats import QUANTS
 from p2pfusion.peer.scheduler import Scheduler, Stats
 from p2pfusion.peer.session import Session, StepInputs
 from p2pfusion.peer.threads import DecodeSettings
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 
 SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
 PREFILL_CHUNK = 256  # positions per chunk of a prefill when no other session waits on this peer
-SHARED_CHUNK_SECONDS = 0.05  # a chunk's compute while other sessions are open: what a decode step may wait
+SHARED_CHUNK_SECONDS = 0.05  # a chunk's compute while other sessions are open: what a step that runs alone may wait
 MIN_CHUNK = 8
 FIRST_SHARED_CHUNK = 32  # before this peer has timed a prefill
 # Kept warm, the compute thread spins after a small step for twice the recent gap between steps,
@@ -101,9 +102,11 @@ class StageCompute:
             )
         else:
             outs, a = [], 0
+            beside = self._lets_others_run(session, inputs)
             while a < tokens:
                 b = min(tokens, a + max(1, self._chunk_rows() // batch))
-                outs.append(await self._run(session, batch * (b - a), tokens > 1, self._infer, session, inputs, a, b))
+                rows = batch * (b - a)
+                outs.append(await self._run(session, rows, tokens > 1, self._infer, session, inputs, a, b, alone=not beside))
                 a = b
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         done = time.perf_counter()
@@ -140,10 +143,22 @@ class StageCompute:
             self.release_graph(inputs)
         return result, time.perf_counter() - t0
 
-    async def _run(self, session: Session, rows: int, prefill: bool, fn, *args):
+    async def _run(self, session: Session, rows: int, prefill: bool, fn, *args, alone: bool = True):
         if self._runs_inline(session, rows):
             return fn(*args)
-        return await self.scheduler.run(session.client, rows, prefill, fn, *args)
+        return await self.scheduler.run(session.client, rows, prefill, fn, *args, alone=alone)
+
+    @staticmethod
+    def _lets_others_run(session: Session, inputs: StepInputs) -> bool:
+        """Whether an inference step may run beside other sessions' decode steps: it hooks no
+        adapter on the shared module, its cache shares no buffer with other sessions' (it never
+        ran batched), and its stage holds its weights as plain float tensors on the CPU (no
+        quantized kernel's or device's own state to race on)."""
+        stage = session.stage
+        return (
+            not session.training and inputs.params is None and stage.batchable and stage.device.type == "cpu"
+            and stage.format not in QUANTS and not session.cache.grouped
+        )
 
     def _runs_inline(self, session: Session, rows: int) -> bool:
         """A decoding step of a token or two runs on the event loop's own thread: handing it to the

@@ -1,11 +1,15 @@
 """The stage's compute, one step at a time, and the queue in front of it.
 
 Steps run one at a time (torch already uses every core per op, and an adapter hooks the shared
-module for the length of its step). Decode steps run on one thread; prefill chunks and training
-steps on another, of lower OS priority: where processes share cores (several peers on one host, a
-volunteer's own work), bulk work yields the CPU to latency-bound work, and on a machine of its
-own it loses nothing (docs/benchmarks.md, Many users at once: the normal clients' p99 beside a
-prefill flood went from about 2x to 1.6-1.7x). `peer.batching.next_batch` decides what runs next and which
+module for the length of its step), with one exception below. Decode steps run on one thread;
+prefill chunks and training steps on another, of lower OS priority: where processes share cores
+(several peers on one host, a volunteer's own work), bulk work yields the CPU to latency-bound
+work, and on a machine of its own it loses nothing (docs/benchmarks.md, Many users at once: the
+normal clients' p99 beside a prefill flood went from about 2x to 1.6-1.7x). The exception: a bulk
+job that lets others run beside it (an inference prefill chunk that hooks nothing on the shared
+module and touches no other session's cache; `peer.compute` says which) does not hold up decode
+steps: they start on their own thread while it runs, and the OS gives them the cores first, so
+a decode step does not wait for a chunk to end. `peer.batching.next_batch` decides what runs next and which
 decode steps run together; this module keeps the queue, charges each source the compute time
 its jobs took, and hands results back to the sessions' tasks.
 """
@@ -37,6 +41,12 @@ BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their resu
 GATHER_SHARE = 0.25
 MAX_GATHER = 0.008
 BULK_NICE = 10  # how much lower the OS priority of prefill chunks and training steps is (Linux nice)
+# A unit that was away (a new user, or one between turns) comes back at most this many seconds of
+# compute behind the least served unit waiting, as a sleeper does under Linux's CFS: its prompt
+# then runs before a busy unit's next chunks instead of taking turns with them (beside a flood of
+# 2,000-token prefills, a fresh user's 35-token prompt took two chunks' turns at each hop, 0.4 s
+# instead of 0.1). Banking more would let a unit that pauses claim a peer for that long.
+RETURN_CREDIT = 0.1
 
 
 def _lower_priority() -> None:
@@ -61,6 +71,7 @@ class _Job:
     work: Any  # a callable (run alone), or an item for `runner`
     future: asyncio.Future
     runner: BatchRunner | None = None  # runs the items of the jobs batched with this one
+    alone: bool = True  # no other job may run while it does
 
 
 class Scheduler:
@@ -68,10 +79,10 @@ class Scheduler:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-bulk", initializer=_lower_priority)
         self._jobs: list[_Job] = []
-        self._busy = False
+        self._running: dict[bool, bool] = {}  # what runs, by lane (bulk: True): whether it runs alone
         self._after_prefill = False
         self._used: dict[str, float] = {}  # compute seconds per connection and per fairness unit
-        # what a connection (or a unit within one) that was away starts from: it banks no credit
+        # what a connection (or a unit within one) that was away starts from, less RETURN_CREDIT
         self._floors = {True: 0.0, False: 0.0}  # by "is a connection"
         self._gathering: asyncio.TimerHandle | None = None
         self._batch_seconds = 0.0  # a batched forward's time, lately
@@ -82,15 +93,21 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not self._busy and not self._jobs
+        return not self._running and not self._jobs
+
+    def _decode_lane_free(self) -> bool:
+        """Whether a decode step could start now: nothing runs, or a bulk job that lets it run beside."""
+        return not self._running or self._running == {True: False}
 
     @property
     def queued(self) -> int:
         return len(self._jobs)
 
-    async def run(self, source: str, rows: int, prefill: bool, fn: Callable, *args) -> Any:
-        """`fn(*args)` on the compute thread, alone; `prefill`: it has many positions per sequence."""
-        return await self._submit(Pending(source, rows, next(self._order), prefill=prefill), functools.partial(fn, *args))
+    async def run(self, source: str, rows: int, prefill: bool, fn: Callable, *args, alone: bool = True) -> Any:
+        """`fn(*args)` on the compute thread, in no batch; `prefill`: it has many positions per
+        sequence; `alone`: no other job may run beside it (else decode steps may, see above)."""
+        pending = Pending(source, rows, next(self._order), prefill=prefill)
+        return await self._submit(pending, functools.partial(fn, *args), None, alone)
 
     async def run_batched(
         self, source: str, rows: int, key: Hashable, runner: BatchRunner, item: Any,
@@ -99,7 +116,7 @@ class Scheduler:
         """`runner([item, ...])`'s result for `item`, run with the other items of `key` that are
         ready at the same time (jobs of one key share one runner); `cohort`: the (tag, size) of the
         steps its client sent with it, which it waits for."""
-        return await self._submit(Pending(source, rows, next(self._order), key, cohort=cohort), item, runner)
+        return await self._submit(Pending(source, rows, next(self._order), key, cohort=cohort), item, runner, alone=False)
 
     def keep_warm(self, spin: Callable[[float, threading.Event], None], until: float) -> None:
         """Spin on the compute thread until `until` (perf_counter), unless work arrives first:
@@ -114,19 +131,17 @@ class Scheduler:
             self._warming.set()
             self._warming = None
 
-    async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None = None) -> Any:
-        job = _Job(pending, work, asyncio.get_running_loop().create_future(), runner)
+    async def _submit(self, pending: Pending, work: Any, runner: BatchRunner | None, alone: bool) -> Any:
+        job = _Job(pending, work, asyncio.get_running_loop().create_future(), runner, alone)
         self._jobs.append(job)
-        if runner is None or self._busy:
+        if runner is None or not self._decode_lane_free():
             self._dispatch()
         elif pending.cohort is None:
             self._gather()
-        else:  # its cohort's last step starts the cohort's batch; the others wait for theirs
-            held = unready([job.pending for job in self._jobs])
-            if len(self._jobs) - 1 in held:
-                self._gather()
-            else:
-                self._dispatch(held=held)
+        elif len(self._jobs) - 1 in unready([job.pending for job in self._jobs]):
+            self._gather()  # its cohort's last step starts the cohort's batch; the others wait for theirs
+        else:
+            self._dispatch()
         return await job.future
 
     def _gather(self) -> None:
@@ -135,20 +150,20 @@ class Scheduler:
             delay = min(MAX_GATHER, GATHER_SHARE * self._batch_seconds)
             self._gathering = asyncio.get_running_loop().call_later(delay, self._dispatch, True)
 
-    def _dispatch(self, gathered: bool = False, held: set[int] | None = None) -> None:
-        """Start the next batch on the compute thread, if it is free: of the steps waiting, those
-        whose cohorts are all here (`held`: the others' indices, if known), or all once `gathered`."""
+    def _dispatch(self, gathered: bool = False) -> None:
+        """Start the next batch, if its lane is free: of the steps waiting, those whose cohorts are
+        all here, or all once `gathered`; beside a bulk job that allows it, decode steps only."""
         if self._gathering is not None:
             self._gathering.cancel()
             self._gathering = None
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
-        if self._busy or not self._jobs:
+        if not self._decode_lane_free():
             return
-        if gathered:
-            held = set()
-        elif held is None:
-            held = unready([job.pending for job in self._jobs])
-        ready = [job for i, job in enumerate(self._jobs) if i not in held]
+        eligible = [job for job in self._jobs if not self._running or not (job.pending.prefill or job.alone)]
+        if not eligible:
+            return
+        held = set() if gathered else unready([job.pending for job in eligible])
+        ready = [job for i, job in enumerate(eligible) if i not in held]
         if not ready:
             self._gather()
             return
@@ -159,18 +174,20 @@ class Scheduler:
         self._jobs = [job for job in self._jobs if id(job) not in taken]
         runner = batch[0].runner
         work = batch[0].work if runner is None else functools.partial(runner, [job.work for job in batch])
-        self._busy = True
-        executor = self._bulk if batch[0].pending.prefill else self._thread
-        done = asyncio.get_running_loop().run_in_executor(executor, work)
+        bulk = batch[0].pending.prefill
+        self._running[bulk] = batch[0].alone
+        done = asyncio.get_running_loop().run_in_executor(self._bulk if bulk else self._thread, work)
         done.add_done_callback(functools.partial(self._finish, batch, runner is not None, time.perf_counter()))
+        if bulk and not batch[0].alone:
+            self._dispatch()  # the decode steps waiting start beside it
 
     def _level_up(self, waiting: set[str]) -> None:
-        """Bring the waiting connections and units up to their floors, then raise the floors to the
-        least served of them."""
+        """Bring the waiting connections and units up to RETURN_CREDIT below their floors, then set
+        the floors to the least served of them."""
         keys = waiting | {connection_of(unit) for unit in waiting}
         for key in keys:
-            floor = self._floors[connection_of(key) == key]
-            self._used[key] = max(self._used.get(key, floor), floor)
+            least = self._floors[connection_of(key) == key] - RETURN_CREDIT
+            self._used[key] = max(self._used.get(key, least), least)
         for is_connection in (True, False):
             level = [self._used[key] for key in keys if (connection_of(key) == key) == is_connection]
             if level:
@@ -186,7 +203,7 @@ class Scheduler:
             self._used = {k: v for k, v in self._used.items() if v > self._floors[connection_of(k) == k]}
 
     def _finish(self, batch: list[_Job], batched: bool, started: float, done: asyncio.Future) -> None:
-        self._busy = False
+        self._running.pop(batch[0].pending.prefill, None)
         seconds = time.perf_counter() - started
         self._charge([job.pending for job in batch], seconds)
         self.observe([job.pending for job in batch], seconds)
@@ -210,7 +227,12 @@ class Scheduler:
             for job, result in zip(batch, results):
                 if not job.future.cancelled():
                     job.future.set_result(result)
-        self._dispatch()
+        if batch[0].pending.prefill:
+            # chosen once the chunk's session has gone on: its next chunk is then among the
+            # candidates, rather than always behind whatever else was waiting
+            asyncio.get_running_loop().call_soon(self._dispatch)
+        else:
+            self._dispatch()
 
     def shutdown(self) -> None:
         self.stop_warm()
