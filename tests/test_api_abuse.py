@@ -14,6 +14,7 @@ import random
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import httpx2
@@ -75,10 +76,11 @@ def apis(tmp_path_factory):
                 proc.wait(15)
 
 
-def _raw(url: str, request: bytes, timeout: float = 20.0) -> bytes:
-    """Send `request` as it is to the API at `url`; what came back before the server closed or paused."""
+def _raw(url: str, request: bytes, timeout: float = 20.0, source: str = "") -> bytes:
+    """Send `request` as it is to the API at `url` (from address `source`, if given); what came
+    back before the server closed or paused."""
     host, port = url.removeprefix("http://").split("/")[0].rsplit(":", 1)
-    with socket.create_connection((host, int(port)), timeout=timeout) as sock:
+    with socket.create_connection((host, int(port)), timeout=timeout, source_address=(source, 0)) as sock:
         sock.sendall(request)
         answer = b""
         try:
@@ -110,6 +112,25 @@ def test_a_body_over_the_cap_is_refused_before_it_is_read(apis):
 
     fits = httpx2.post(apis.open + "/chat/completions", json=apis.chat("hi " * 100), timeout=60)
     assert fits.status_code == 200, fits.text
+
+
+def test_an_address_whose_requests_keep_being_refused_waits_and_others_do_not(apis):
+    """Refusing is cheap, but not free: an address sending oversized bodies as fast as it is
+    answered waits ever longer before its next request is handled; another address does not."""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {40 << 20}\r\n\r\n{{").encode()
+    waited = []
+    for _ in range(8):
+        t0 = time.monotonic()
+        assert _raw(apis.open, head, source="127.0.0.3").startswith(b"HTTP/1.1 413")
+        waited.append(time.monotonic() - t0)
+    assert sum(waited[4:]) > 0.6, waited  # the 4th to 7th refusals earned 0.05, 0.1, 0.2 and 0.4 s
+    with ThreadPoolExecutor(1) as pool:
+        refused = pool.submit(_raw, apis.open, head, 20.0, "127.0.0.3")  # waits 0.8 s before it is read
+        time.sleep(0.05)
+        assert httpx2.get(apis.open + "/models", timeout=20).status_code == 200
+        assert not refused.done()
+        assert refused.result().startswith(b"HTTP/1.1 413")
 
 
 def test_a_body_that_trickles_in_is_cut_off_and_others_are_served_meanwhile():

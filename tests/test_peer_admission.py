@@ -18,8 +18,8 @@ from p2pfusion.peer.admission import (
     vouched_origin,
 )
 from p2pfusion.peer.directory import HopDirectory, dial_addrs
-from p2pfusion.peer.penalties import (
-    BAD_TENSOR_HALF_LIFE, FIRST_PAUSE, FREE_BAD_TENSORS, LONGEST_PAUSE, SOURCES_KEPT, BadTensorCounts, pause_for,
+from p2pfusion.net.penalties import (
+    FIRST_PAUSE, FREE_REFUSALS, LONGEST_PAUSE, REFUSAL_HALF_LIFE, SOURCES_KEPT, Refusals, pause_for,
 )
 from p2pfusion.peer.memory import QUANTIZED_TRIM_EVERY, TRIM_AFTER, TRIM_EVERY, quantized_trim_due, trim_due
 from p2pfusion.peer.relay import screen
@@ -154,16 +154,16 @@ def test_a_quantized_stage_on_cpu_trims_its_forwards_temporaries_only_while_idle
     assert not quantized_trim_due(False, True, 100.0)
 
 
-def test_bad_tensors_earn_pauses_that_double_then_cap_and_fade():
-    assert [pause_for(n) for n in range(1, FREE_BAD_TENSORS + 1)] == [0.0] * FREE_BAD_TENSORS
-    assert [pause_for(FREE_BAD_TENSORS + k) for k in (1, 2, 3)] == [FIRST_PAUSE, 2 * FIRST_PAUSE, 4 * FIRST_PAUSE]
+def test_refusals_earn_pauses_that_double_then_cap_and_fade():
+    assert [pause_for(n) for n in range(1, FREE_REFUSALS + 1)] == [0.0] * FREE_REFUSALS
+    assert [pause_for(FREE_REFUSALS + k) for k in (1, 2, 3)] == [FIRST_PAUSE, 2 * FIRST_PAUSE, 4 * FIRST_PAUSE]
     assert pause_for(100) == LONGEST_PAUSE
-    counts = BadTensorCounts()
-    pauses = [counts.pause("ip:a", 0.0) for _ in range(FREE_BAD_TENSORS + 2)]
-    assert pauses[-2:] == [FIRST_PAUSE, 2 * FIRST_PAUSE]
-    assert counts.pause("ip:b", 0.0) == 0.0  # one source's pauses are its own
-    # two half-lives later its count (5, then one more) is 2.25: free again
-    assert counts.pause("ip:a", 2 * BAD_TENSOR_HALF_LIFE) == 0.0
+    refusals = Refusals()
+    pauses = [refusals.add("ip:a", 0.0) for _ in range(FREE_REFUSALS + 2)]
+    assert pauses[-2:] == [FIRST_PAUSE, 2 * FIRST_PAUSE] and refusals.pause("ip:a", 0.0) == 2 * FIRST_PAUSE
+    assert refusals.pause("ip:b", 0.0) == refusals.add("ip:b", 0.0) == 0.0  # one source's pauses are its own
+    # two half-lives later its count (5) is 1.25: free again, and one more makes 2.25
+    assert refusals.pause("ip:a", 2 * REFUSAL_HALF_LIFE) == refusals.add("ip:a", 2 * REFUSAL_HALF_LIFE) == 0.0
     for i in range(SOURCES_KEPT + 10):
-        counts.pause(f"ip:{i}", 1.0)
-    assert len(counts._counts) == SOURCES_KEPT
+        refusals.add(f"ip:{i}", 1.0)
+    assert len(refusals._counts) == SOURCES_KEPT

@@ -12,7 +12,10 @@ as it passes the cap, one that trickles in (a slowloris) when its time is up. Us
 by API key where the API has several, else by address (an IPv6 /64 counts as one address); each
 runs at most `requests_per_user` generations at once, so that no one user fills the share of
 sessions each peer gives this API (peer/admission.py); a request past that waits a moment for a
-slot (`Users`), then gets a 429.
+slot (`Users`), then gets a 429. An address whose requests keep being refused (a 4xx other than
+429: bodies too large, malformed, for another Host) waits before each of its next requests is
+handled, ever longer (net/penalties.py): refusing is cheap, but thousands a second took this
+process's whole core from everyone else.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import time
 from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from p2pfusion.api.errors import APIError
 from p2pfusion.net.clients import source_of
+from p2pfusion.net.penalties import Refusals
 
 MIB = 1 << 20
 LOCAL_NAMES = ("localhost",)  # and every name under .localhost, which resolvers keep on this machine
@@ -121,11 +126,15 @@ class Guard:
     def __init__(self, app: ASGIApp, limits: APILimits):
         self.app = app
         self.limits = limits
+        self.refusals = Refusals()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        source = source_of(scope.get("client") or ("", 0))
+        await asyncio.sleep(self.refusals.pause(source, time.monotonic()))
+        send = self._counting(send, source)
         headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
         refused = self._refusal(headers)
         if refused is None and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
@@ -137,6 +146,16 @@ class Guard:
             await refused.response()(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+    def _counting(self, send: Send, source: str) -> Send:
+        """`send`, counting the response against `source` when it refuses the request."""
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500 and message["status"] != 429:
+                self.refusals.add(source, time.monotonic())
+            await send(message)
+
+        return counted
 
     def _refusal(self, headers: dict[str, str]) -> APIError | None:
         limits = self.limits

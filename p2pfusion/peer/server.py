@@ -27,6 +27,7 @@ from p2pfusion.net.compression import AUTO, Compression, Purpose
 from p2pfusion.net.framing import BadTensor, read_frame, write_frame
 from p2pfusion.net.links import LinkBook
 from p2pfusion.net.payloads import flatten
+from p2pfusion.net.penalties import Refusals
 from p2pfusion.net.receipts import ReceiptChain, ReceiptKey
 from p2pfusion.net.transport import Transport
 from p2pfusion.peer.admission import Reservation, refusal, vouched_origin
@@ -36,7 +37,6 @@ from p2pfusion.peer.directory import HopDirectory, dial_addrs
 from p2pfusion.peer.heap import HeapTrimmer
 from p2pfusion.peer.limits import ServingLimits, StreamLimits, session_limits, stream_limits, token_bytes
 from p2pfusion.peer.metrics import StageMetrics
-from p2pfusion.peer.penalties import BadTensorCounts
 from p2pfusion.peer.relay import relay, screen
 from p2pfusion.peer.session import Session
 from p2pfusion.peer.sinks import SUBSCRIBE_WAIT, ResultStreams
@@ -78,7 +78,7 @@ class StageServer:
         self.sessions_opened = 0  # since start, for the peer's periodic report
         self.sessions: dict[str, Session] = {}
         self.results = ResultStreams()
-        self.bad_tensors = BadTensorCounts()
+        self.bad_tensors = Refusals()
         self.compute = StageCompute(decode, training_memory, limits.prefill_chunk, lambda: len(self.sessions) > 1)
         self.heap = HeapTrimmer(lambda: self.compute.idle)
         self.draining = False
@@ -318,7 +318,7 @@ class StageServer:
         """Answer a bad tensor; a source that keeps sending them waits before its stream is read on."""
         self.metrics.error(exc)
         await send_quietly(writer, m.Error(message=str(exc), step=step_of(exc.header)))
-        await asyncio.sleep(self.bad_tensors.pause(source, time.monotonic()))
+        await asyncio.sleep(self.bad_tensors.add(source, time.monotonic()))
 
     async def _on_frame(self, session: Session, frame, writer) -> bool:
         """One frame of a session; False at its Close. Its tensors go when this returns: nothing is
