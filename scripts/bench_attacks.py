@@ -3,10 +3,11 @@
 same generation with no attack, in one run.
 
 A fresh local swarm of the default model on two peer processes (0:15 and 15:30) per attack. An
-attacker process starts the attack and says when it is under way; 3 s later the user runs a
-greedy generation from a fresh client (join, route, prefill, decode) and compares its tokens with
-transformers'. Printed per attack: the user's wall time over the no-attack run's, whether the
-tokens are identical, and the peers' largest RSS growth. Attacks:
+attacker process starts the attack and says when it is under way; 3 s later the user runs
+`--users` greedy generations one after another, each from a fresh client (join, route, prefill,
+decode), and compares their tokens with transformers'. Printed per attack: the median and the
+slowest generation's wall time over the no-attack median, whether every generation's tokens are
+identical, and the peers' largest RSS growth. Attacks:
 - slowloris: TLS connections from 127.0.0.2 that send a valid hello and then nothing, as fast as
   it can (from the user's own address it would fill that address's cap, which is the user's too);
 - amplification: steps whose top-k frame declares [2**29] values in a 2 MiB body, on 2 streams;
@@ -21,7 +22,7 @@ tokens are identical, and the peers' largest RSS growth. Attacks:
 The clients that open sessions attack from 127.0.0.2 through libp2p: on loopback every direct
 connection comes from 127.0.0.1, as the user's do.
 
-Usage: python scripts/bench_attacks.py [--tokens 24] [--attacks slowloris,dht-wipe,...]
+Usage: python scripts/bench_attacks.py [--tokens 24] [--users 3] [--attacks slowloris,dht-wipe,...]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import os
 import resource
 import select
+import statistics
 import ssl
 import subprocess
 import sys
@@ -207,14 +209,14 @@ async def session_flood(maddrs, key, hidden):
     client = await from_elsewhere(maddrs)
     model = RemoteCausalLM.build(source, client)
     held, refused = [], []
-    for i in range(60):  # the user starts once 10 are held; the rest open while it generates
+    for i in range(60):  # the user starts once 3 are held (each takes seconds); the rest open while it generates
         try:
             session = await model.core.session(2048).open()
             await session.step(torch.randn(1, 2000, hidden))
             held.append(session)
         except P2PFusionError as exc:
             refused.append(str(exc))
-        if i == 9:
+        if i == 2:
             ready(f"{len(held)} sessions of 2,000 tokens held")
     tell(f"{len(held)} sessions held, {len(refused)} refused{': ' + refused[0][:160] if refused else ''}")
     await asyncio.Event().wait()
@@ -335,6 +337,7 @@ def run_user(source, maddrs, tokens, timeout=300.0):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=24)
+    parser.add_argument("--users", type=int, default=3, help="generations a row, one after another (default 3)")
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--maddrs", nargs="*", help=argparse.SUPPRESS)
@@ -375,7 +378,7 @@ def main() -> None:
                 print(f"  {attack}: attacker {line or 'not ready within 120 s: ' + said}", file=sys.stderr)
                 time.sleep(WARMUP)
             watch = RssWatch(pids)
-            seconds, tokens = run_user(source, swarm.maddrs, args.tokens)
+            runs = [run_user(source, swarm.maddrs, args.tokens) for _ in range(args.users)]
             peak = watch.stop()
             if attacker is not None:
                 attacker.kill()
@@ -384,16 +387,23 @@ def main() -> None:
                 if said:
                     print(f"  {attack}: attacker's last line: {said[-1][:200]}", file=sys.stderr)
             growth = max(peak[pid] - base[pid] for pid in pids)
-            rows.append((attack, seconds, tokens == expected, growth))
-            shown = "failed" if seconds is None else f"{seconds:.2f} s"
-            print(f"  {attack}: user {shown}, tokens {'identical' if tokens == expected else 'DIFFER'}, "
+            seconds = None if any(s is None for s, _ in runs) else [s for s, _ in runs]
+            same = all(tokens == expected for _, tokens in runs)
+            rows.append((attack, seconds, same, growth))
+            shown = "failed" if seconds is None else ", ".join(f"{s:.2f}" for s in seconds) + " s"
+            print(f"  {attack}: user {shown}, tokens {'identical' if same else 'DIFFER'}, "
                   f"peer RSS +{growth:.0f} MiB", file=sys.stderr)
-    baseline = rows[0][1]
-    print(f"{'attack':<15} {'user s':>8} {'vs none':>8} {'tokens':>10} {'peer RSS +MiB':>14}")
+    baseline = None if rows[0][1] is None else statistics.median(rows[0][1])
+    print(f"{args.users} generations a row, one after another; the ratios are the median's and the slowest's over the "
+          "no-attack median")
+    print(f"{'attack':<15} {'median s':>9} {'vs none':>8} {'slowest':>8} {'tokens':>10} {'peer RSS +MiB':>14}")
     for attack, seconds, same, growth in rows:
-        ratio = "-" if seconds is None or baseline is None else f"{seconds / baseline:.2f}x"
-        shown = "failed" if seconds is None else f"{seconds:.2f}"
-        print(f"{attack:<15} {shown:>8} {ratio:>8} {'identical' if same else 'DIFFER':>10} {growth:>14.0f}")
+        if seconds is None or baseline is None:
+            print(f"{attack:<15} {'failed':>9} {'-':>8} {'-':>8} {'identical' if same else 'DIFFER':>10} {growth:>14.0f}")
+            continue
+        median = statistics.median(seconds)
+        print(f"{attack:<15} {median:>9.2f} {median / baseline:>7.2f}x {max(seconds) / baseline:>7.2f}x "
+              f"{'identical' if same else 'DIFFER':>10} {growth:>14.0f}")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,13 @@ One replica poisons its pseudo-gradient at every outer step:
   the round leaves the honest replicas with different weights unless the driver mends it;
 - undefended-huge: huge, with the replicas' robust mean replaced by a plain mean (what the outer
   step was before), to show what the defence holds off.
-Printed per run: held-out perplexity at the end, and its ratio to the clean run's (target: 1.05x
-at most), and the replicas' weights' agreement (the honest replicas must hold the same weights).
+Printed per run: held-out perplexity at the end, and its ratio to the clean run's on the same
+data (target: 1.05x at most), and the replicas' weights' agreement (the honest replicas must hold
+the same weights). With `--seeds N`, every run goes again on N orders of the training sequences,
+and the ratios' geometric mean is printed too: a model this far from trained ends tens of percent
+apart on a change as small as which replica's micro-batches were lost before the liar was left out.
 
-Usage: python scripts/bench_poisoned_run.py [--steps 60] [--sync-every 5] [--runs clean,huge,...]
+Usage: python scripts/bench_poisoned_run.py [--steps 60] [--sync-every 5] [--seeds 1] [--runs clean,huge,...]
 """
 
 from __future__ import annotations
@@ -171,6 +174,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", default=",".join(RUNS))
+    parser.add_argument("--seeds", type=int, default=1, help="orders of the training data to run every row on")
     args = parser.parse_args()
     kinds = [k for k in args.runs.split(",") if k]
     if set(kinds) - set(RUNS) or "clean" not in kinds:
@@ -179,22 +183,27 @@ def main() -> None:
     folder = small_model(Path(tempfile.mkdtemp(prefix="bench-poison-")) / "small-llama")
     source = resolve_model(str(folder))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    data = batches(tokenizer, TRAIN_MODULES, args.steps, args.batch, args.tokens, seed=0)
     held_out = batches(tokenizer, HELD_OUT_MODULES, 1, 32, args.tokens, seed=1)[0]
     with torch.no_grad():
         before = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(input_ids=held_out, labels=held_out).loss
-    results = {kind: run_one(kind, source, data, held_out, args.sync_every) for kind in kinds}
-    clean = math.exp(results["clean"][0])
+    results: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+    for seed in range(args.seeds):  # each seed another order of the training sequences
+        data = batches(tokenizer, TRAIN_MODULES, args.steps, args.batch, args.tokens, seed=seed)
+        for kind in kinds:
+            results[kind].append(run_one(kind, source, data, held_out, args.sync_every))
+    clean = [math.exp(held) for held, _ in results["clean"]]
     print(f"{REPLICAS} replicas of layers 0:{LAYERS}, {args.steps} steps of {args.batch}x{args.tokens} tokens, "
-          f"outer step every {args.sync_every}; one replica poisons its pseudo-gradient")
-    print("| run | held-out perplexity | vs clean | honest replicas' weights differ by |")
-    print("|---|---|---|---|")
-    print(f"| before training | {math.exp(float(before)):.1f} | | |")
-    for kind, (held, spread) in results.items():
-        ppl = math.exp(held) if held < 700 else math.inf
-        print(f"| {kind} | {ppl:.1f} | {ppl / clean:.3f}x | {spread:.1e} |")
+          f"outer step every {args.sync_every}; one replica poisons its pseudo-gradient; {args.seeds} data order(s)")
+    print("| run | held-out perplexity | vs clean | mean vs clean | honest replicas' weights differ by |")
+    print("|---|---|---|---|---|")
+    print(f"| before training | {math.exp(float(before)):.1f} | | | |")
+    for kind, runs in results.items():
+        ppl = [math.exp(held) if held < 700 else math.inf for held, _ in runs]
+        ratios = [p / c for p, c in zip(ppl, clean)]
+        mean = math.exp(sum(math.log(r) for r in ratios) / len(ratios))  # geometric: ratios
+        print(f"| {kind} | {', '.join(f'{p:.1f}' for p in ppl)} | {', '.join(f'{r:.3f}x' for r in ratios)} | "
+              f"{mean:.3f}x | {max(spread for _, spread in runs):.1e} |")
     sys.stdout.flush()
-
 
 if __name__ == "__main__":
     main()
