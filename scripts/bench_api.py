@@ -13,17 +13,21 @@ local swarm of the default model, in one run.
   bench_load.py), through the API and the core, each over transformers' batched generate of the
   same prompts (decode only, the better of 1 and all threads, as bench_load.py measures it), run
   just before them; --rounds times, and the report shows the round whose API ratio is the median.
+  With --users N, the API's streams come from N loopback addresses (127.0.0.2 on), as N people's
+  would: the API shares the peers' compute among its users, each with a unit of its own there.
 The API is read as a client reads it: server-sent events over HTTP (httpx), chunks parsed as JSON.
 Both sides are greedy, stop at EOS and check peers' results at the default rate, so they generate
 the same tokens. Results on stdout, logs and progress on stderr.
 
-Usage: python scripts/bench_api.py [--tokens 64] [--runs 5] [--concurrent 8] [--rounds 1] [--peers 3] [--peer-args ARGS]
+Usage: python scripts/bench_api.py [--tokens 64] [--runs 5] [--concurrent 8] [--users 1] [--rounds 1] [--peers 3]
+       [--peer-args ARGS]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import statistics
@@ -169,7 +173,14 @@ async def bench(
     results = Results()
     try:
         model = RemoteCausalLM.build(source, swarm)
-        async with httpx2.AsyncClient(timeout=600) as http:
+        async with contextlib.AsyncExitStack() as clients:
+            http = await clients.enter_async_context(httpx2.AsyncClient(timeout=600))
+            users = [http] if args.users == 1 else [
+                await clients.enter_async_context(httpx2.AsyncClient(
+                    timeout=600, transport=httpx2.AsyncHTTPTransport(local_address=f"127.0.0.{2 + i}")
+                ))
+                for i in range(args.users)
+            ]
             await via_api(http, url, source.name, prompt(0), 2)  # warm-up: connections, links, caches
             await via_core(model, prompt(0), 2)
             for run in range(args.runs):
@@ -182,7 +193,9 @@ async def bench(
             many = [prompt(i) for i in range(args.concurrent)]
             for _ in range(args.rounds):
                 local = reference()
-                api = list(await asyncio.gather(*(via_api(http, url, source.name, p, args.tokens) for p in many)))
+                api = list(await asyncio.gather(*(
+                    via_api(users[i % len(users)], url, source.name, p, args.tokens) for i, p in enumerate(many)
+                )))
                 core = list(await asyncio.gather(*(via_core(model, p, args.tokens) for p in many)))
                 results.rounds.append(Round(local, api, core))
                 print(f"{args.concurrent} streams through the API: {aggregate(api):.1f} tok/s, in the core "
@@ -236,13 +249,16 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="most new tokens per stream")
     parser.add_argument("--runs", type=int, default=5, help="single streams per side")
     parser.add_argument("--concurrent", type=int, default=8, help="streams at once")
+    parser.add_argument("--users", type=int, default=1, help="addresses the concurrent API streams come from")
     parser.add_argument("--rounds", type=int, default=1, help="rounds of concurrent streams, each after its reference")
     parser.add_argument("--peers", type=int, default=3)
     parser.add_argument("--peer-args", default="", help="more run-peer arguments, e.g. '--decode-threads 2'")
     args = parser.parse_args()
     print(machine_header(), flush=True)
-    if args.tokens < 2 or min(args.runs, args.concurrent, args.rounds, args.peers) < 1:
-        parser.error("--tokens must be at least 2, and --runs, --concurrent, --rounds and --peers at least 1")
+    if args.tokens < 2 or min(args.runs, args.concurrent, args.users, args.rounds, args.peers) < 1:
+        parser.error("--tokens must be at least 2, and --runs, --concurrent, --users, --rounds and --peers at least 1")
+    if args.users > 250:
+        parser.error("--users is at most 250 (addresses 127.0.0.2 to 127.0.0.251)")
 
     source = resolve_model(None)
     layers = load_config(source).num_hidden_layers

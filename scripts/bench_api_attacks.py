@@ -5,20 +5,21 @@ the same chat with no attack, in one run; and the API's resident memory before a
 A local swarm of the default model (peer processes on 0:15 and 15:30) and one `p2pfusion api`
 process with its default limits. The attacker connects from 127.0.0.1, the user from 127.0.0.2
 (another address, as another machine would be). Each attack runs for WARMUP seconds, then the user
-sends a greedy 24-token chat (non-streamed) while the attack goes on; its text is compared with
-the no-attack run's. Attacks:
+sends `--chats` greedy 24-token chats (non-streamed), one after another, while the attack goes on;
+their texts are compared with the no-attack run's, and their median time with the median of as
+many chats with no attack. Attacks:
 - body-40mib: 4 connections sending 40 MiB chat bodies, over and over (413 before they are read);
 - body-4mib: 2 connections sending chats of a 4 MiB message, the most a body may hold;
 - stream-flood: 40 streamed chats at once from one address, opened again as each ends;
 - prefill-flood: 8 chats at once from one address, each a 1,900-token prompt for 1 new token;
 - stop-strings: 4 connections asking for 4 stop strings of 256 KiB each;
 - slowloris: 200 connections that send a request's headers, then its body a byte a second.
-Printed per attack: the user's seconds over the no-attack run's, whether its text is the same, the
+Printed per attack: the user's median seconds over the no-attack median, whether every text is the same, the
 API's RSS before the attack and after it (10 s after it stops), the API process's CPU time over
 the attack's wall time (1 core = 100%), and the answers the attacker got. The attacker's threads
 run in this process, on the same 2 cores as the swarm and the API.
 
-Usage: python scripts/bench_api_attacks.py [--attacks body-40mib,stream-flood,...] [--requests-per-user N]
+Usage: python scripts/bench_api_attacks.py [--attacks body-40mib,stream-flood,...] [--chats N] [--requests-per-user N]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -172,6 +174,7 @@ def start_api(swarm: LocalSwarm, options: list[str]) -> tuple[subprocess.Popen, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--chats", type=int, default=3, help="the user's chats per attack, and with no attack")
     parser.add_argument("--requests-per-user", help="the API's option of that name (default: its default)")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
@@ -185,23 +188,27 @@ def main() -> None:
         api, url = start_api(swarm, per_user)
         try:
             user_chat(url)  # warms the route
-            base_seconds, base_text = min(user_chat(url) for _ in range(3))
+            base = [user_chat(url) for _ in range(args.chats)]
+            base_seconds, base_text = statistics.median(s for s, _ in base), base[0][1]
             for attack in attacks:
                 before = rss_mib(api.pid)
                 cpu, started = cpu_seconds(api.pid), time.monotonic()
                 attacker = Attacker(url, attack)
                 time.sleep(WARMUP)
-                seconds, text = user_chat(url)
+                chats = [user_chat(url) for _ in range(args.chats)]
                 attacker.stop()
+                failed = any(s is None for s, _ in chats)
+                seconds = None if failed else statistics.median(s for s, _ in chats)
                 share = (cpu_seconds(api.pid) - cpu) / (time.monotonic() - started)
                 time.sleep(SETTLE)
                 after = rss_mib(api.pid)
-                rows.append((attack, seconds, text == base_text, dict(attacker.answers), before, after, share))
+                same = all(text == base_text for _, text in chats)
+                rows.append((attack, seconds, same, dict(attacker.answers), before, after, share))
                 print(f"  {attack}: {rows[-1]}", file=sys.stderr, flush=True)
         finally:
             api.terminate()
             api.wait(30)
-    print(f"no attack: user {base_seconds:.2f} s")
+    print(f"no attack: user {base_seconds:.2f} s (median of {args.chats})")
     print(f"{'attack':<13} {'user s':>7} {'vs none':>8} {'text':>6} {'RSS MiB before':>15} {'after':>6} "
           f"{'API CPU':>8}  attacker got")
     for attack, seconds, same, answers, before, after, share in rows:

@@ -21,6 +21,7 @@ from p2pfusion.peer.batching import (
     SOURCE_ROWS,
     Pending,
     charged,
+    connection_of,
     fairness_unit,
     next_batch,
     served,
@@ -58,11 +59,12 @@ def test_next_batch_is_fair_and_bounded(raw, used, after_prefill):
     assert chosen and len(set(chosen)) == len(chosen)
     lead = pending[chosen[0]]
     decode = [job for job in pending if not job.prefill]
-    if after_prefill and decode:
-        assert not lead.prefill  # a decode step waits for at most one prefill chunk
-        assert served(lead.source, used) == min(served(job.source, used) for job in decode)
+    least = min(served(job.source, used) for job in pending)
+    if after_prefill and decode and min(served(job.source, used) for job in decode) <= least:
+        assert not lead.prefill  # a decode step waits for at most one prefill chunk of a unit not served less
+        assert served(lead.source, used) == least
     else:  # the least-served connection leads, and within it the least-served unit
-        assert served(lead.source, used) == min(served(job.source, used) for job in pending)
+        assert served(lead.source, used) == least
     # of equally served units' jobs, decode steps go first: a client's own new sessions' prefill
     # chunks do not hold up its sessions that are decoding
     assert not lead.prefill or not [job for job in decode if served(job.source, used) == served(lead.source, used)]
@@ -104,8 +106,12 @@ def test_sources_take_turns_and_each_is_capped():
     batch = [pending[i].source for i in next_batch(pending, far, False)]
     assert "ip:abuser" not in batch  # far ahead: it runs its own batches in between
     prefill = [Pending("ip:a", 256, 0, prefill=True), Pending("ip:b", 1, 1, "s")]
-    assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=False) == [0]  # the less served goes first...
-    assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=True) == [1]  # ...but not twice in a row
+    assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=False) == [0]  # the less served goes first,
+    assert next_batch(prefill, {"ip:b": 1.0}, after_prefill=True) == [0]  # and goes on while it is served less
+    assert next_batch(prefill, {"ip:a": 1.0}, after_prefill=False) == [1]
+    # equally served: a decode step waits for one chunk, not two
+    assert next_batch(prefill, {"ip:a": 1.0, "ip:b": 1.0}, after_prefill=False) == [1]
+    assert next_batch(prefill[:1] + [Pending("ip:a", 1, 1, "s")], {"ip:a": 1.0}, after_prefill=True) == [1]
     # the clients a connection names share its one share: the heavy one among them falls behind
     relayed = [Pending(fairness_unit("peer:p", "ip:heavy"), 1, 0, "s"), Pending(fairness_unit("peer:p", "ip:light"), 1, 1, "s")]
     used = {"peer:p": 3.0, fairness_unit("peer:p", "ip:heavy"): 2.9, fairness_unit("peer:p", "ip:light"): 0.1}
@@ -128,10 +134,12 @@ def test_a_cohort_is_unready_until_all_its_steps_or_a_batchs_share_are_in(jobs):
         if job.cohort is None:
             assert i not in held  # a step sent alone waits for no one
             continue
-        # another unit's steps with the same tag are not this cohort's
-        mine = [other for other in pending if (other.source, other.cohort) == (job.source, job.cohort)]
+        # another connection's steps with the same tag are not this cohort's; the units one
+        # connection names (an API's users) share its cohorts
+        sent = [other for other in pending if (connection_of(other.source), other.cohort) == (connection_of(job.source), job.cohort)]
+        own = [other for other in sent if other.source == job.source]
         # a cohort bigger than a unit's share of a batch runs in parts, each as soon as it is in
-        assert (i in held) == (len(mine) < job.cohort[1] and sum(o.rows for o in mine) < SOURCE_ROWS)
+        assert (i in held) == (len(sent) < job.cohort[1] and sum(o.rows for o in own) < SOURCE_ROWS)
 
 
 def test_the_scheduler_runs_a_cohort_once_in_and_keeps_it_whole(monkeypatch):
@@ -274,6 +282,40 @@ def test_a_returning_users_prompt_runs_before_a_busy_units_next_chunks():
 
     came = asyncio.run(main())
     assert ran[came:came + 2] == ["prompt 1", "prompt 2"] or ran[came + 1:came + 3] == ["prompt 1", "prompt 2"], ran[came - 2:]
+
+
+def test_a_busier_units_decode_steps_neither_cut_nor_run_beside_a_returning_users_prompt():
+    """A unit decoding and prefilling at once (an API user's streams, opened one after another)
+    and a user that comes back with a two-chunk prompt: the user's chunks run one after the other,
+    and none of the busy unit's decode steps starts while they run."""
+    ran = []
+
+    def job(name, seconds):
+        ran.append(f"{name} starts")
+        time.sleep(seconds)
+        ran.append(f"{name} ends")
+
+    async def main():
+        scheduler = scheduler_module.Scheduler()
+        busy = True
+
+        async def loop(prefill, name, seconds):
+            while busy:
+                await scheduler.run("ip:b", 64 if prefill else 1, prefill, job, name, seconds, alone=False)
+
+        try:
+            others = [asyncio.ensure_future(loop(True, "flood", 0.02)), asyncio.ensure_future(loop(False, "step", 0.005))]
+            await asyncio.sleep(0.3)
+            for name in ("prompt 1", "prompt 2"):
+                await scheduler.run("ip:a", 24, True, job, name, 0.02, alone=False)
+            busy = False
+            await asyncio.gather(*others)
+        finally:
+            scheduler.shutdown()
+
+    asyncio.run(main())
+    prompt = ran[ran.index("prompt 1 starts"):ran.index("prompt 2 ends") + 1]
+    assert prompt == ["prompt 1 starts", "prompt 1 ends", "prompt 2 starts", "prompt 2 ends"], prompt
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

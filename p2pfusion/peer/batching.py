@@ -9,8 +9,10 @@ time its jobs took (`used`, with an entry for the connection and one for the uni
 - the least-served unit goes first, not the oldest job: a client sending prefill after prefill,
   or running hundreds of sessions, falls behind the others instead of ahead of them;
 - of equally served units' jobs, decode steps (one position per sequence) go before prefill chunks
-  and training steps, and after one of those, decode steps waiting go next: a decode step waits
-  for at most one chunk, however many sessions of its client are starting at the same moment;
+  and training steps, and after one of those, decode steps waiting go next unless all of them
+  are of units served more than a chunk's: a decode step waits for at most one chunk, however
+  many sessions of its client are starting at the same moment, except behind the prompt of a
+  unit served less (which the scheduler lets come back at most RETURN_CREDIT behind);
 - the first job's decode steps of the same stage and kind (`key`) run in the same batch with
   those of other units, least served first, taking turns, at most SOURCE_ROWS positions per
   unit; a unit more than `slack` seconds of compute ahead of the first's does not join, so a
@@ -78,7 +80,11 @@ def next_batch(
     """Indices into `pending` of the jobs to run next, together (the first leads). `used`: compute
     seconds so far per connection and per unit (absent: 0); `after_prefill`: the last job was a prefill."""
     decode = [i for i, job in enumerate(pending) if not job.prefill]
-    candidates = decode if after_prefill and decode else range(len(pending))
+    # after a chunk, decode steps go next, unless all are of units served more than some waiting
+    # job's: a returning user's prompt is not cut by a busier unit's steps at every chunk
+    least = min(served(job.source, used) for job in pending)
+    turn = after_prefill and decode and min(served(pending[i].source, used) for i in decode) <= least
+    candidates = decode if turn else range(len(pending))
     lead = min(candidates, key=lambda i: (served(pending[i].source, used), pending[i].prefill, pending[i].order))
     key = pending[lead].key
     if key is None:
@@ -100,19 +106,20 @@ def next_batch(
 
 
 def unready(pending: list[Pending], source_rows: int = SOURCE_ROWS) -> set[int]:
-    """Indices of the steps whose cohort has not all come yet: fewer of its unit's steps with its
-    tag are waiting than its size, and fewer rows than a batch takes of one unit (`source_rows`:
-    a bigger cohort runs in parts anyway, each as soon as it is in). A unit's tags are its own, so
-    no other unit completes them."""
+    """Indices of the steps whose cohort has not all come yet: fewer of its connection's steps with
+    its tag are waiting than its size, and fewer of its unit's rows than a batch takes of one unit
+    (`source_rows`: a bigger cohort runs in parts anyway, each as soon as it is in). A
+    connection's tags are its own, so no other connection completes them; the units it names
+    share them (an API's cohorts hold several users' sessions)."""
     steps, rows = Counter(), Counter()
     for job in pending:
         if job.cohort is not None:
-            steps[job.source, job.cohort] += 1
+            steps[connection_of(job.source), job.cohort] += 1
             rows[job.source, job.cohort] += job.rows
     return {
         i for i, job in enumerate(pending)
         if job.cohort is not None
-        and steps[job.source, job.cohort] < job.cohort[1] and rows[job.source, job.cohort] < source_rows
+        and steps[connection_of(job.source), job.cohort] < job.cohort[1] and rows[job.source, job.cohort] < source_rows
     }
 
 

@@ -173,7 +173,8 @@ class StageCompute:
         )
 
     def _threads_for(self, rows: int) -> None:
-        """Runs just before each step; steps never overlap, so torch's process-wide setting is theirs."""
+        """Runs just before each step, on the thread that runs it: torch's count is OpenMP's, kept per
+        thread once that thread has run torch, so a decode step beside a chunk keeps its own."""
         threads = self._decode_threads if rows <= SMALL_STEP_ROWS else self._all_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)

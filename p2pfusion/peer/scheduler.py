@@ -7,9 +7,10 @@ prefill chunks and training steps on another, of lower OS priority: where proces
 work, and on a machine of its own it loses nothing (docs/benchmarks.md, Many users at once: the
 normal clients' p99 beside a prefill flood went from about 2x to 1.6-1.7x). The exception: a bulk
 job that lets others run beside it (an inference prefill chunk that hooks nothing on the shared
-module and touches no other session's cache; `peer.compute` says which) does not hold up decode
-steps: they start on their own thread while it runs, and the OS gives them the cores first, so
-a decode step does not wait for a chunk to end. `peer.batching.next_batch` decides what runs next and which
+module and touches no other session's cache; `peer.compute` says which) does not hold up the
+decode steps of units served no more than its own: they start on their own thread while it runs,
+and the OS gives them the cores first, so a decode step does not wait for a chunk to end. A busier
+unit's decode steps wait for the chunk, as they would for any job of a unit served less. `peer.batching.next_batch` decides what runs next and which
 decode steps run together; this module keeps the queue, charges each source the compute time
 its jobs took, and hands results back to the sessions' tasks.
 """
@@ -27,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from p2pfusion.peer.batching import Pending, charged, connection_of, next_batch, unready
+from p2pfusion.peer.batching import Pending, charged, connection_of, next_batch, served, unready
 
 BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their results, in order
 # While sessions share the peer, an idle thread takes a decode step a moment after it arrives,
@@ -79,7 +80,7 @@ class Scheduler:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
         self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-bulk", initializer=_lower_priority)
         self._jobs: list[_Job] = []
-        self._running: dict[bool, bool] = {}  # what runs, by lane (bulk: True): whether it runs alone
+        self._running: dict[bool, _Job] = {}  # what runs (a batch's first job), by lane (bulk: True)
         self._after_prefill = False
         self._used: dict[str, float] = {}  # compute seconds per connection and per fairness unit
         # what a connection (or a unit within one) that was away starts from, less RETURN_CREDIT
@@ -97,7 +98,8 @@ class Scheduler:
 
     def _decode_lane_free(self) -> bool:
         """Whether a decode step could start now: nothing runs, or a bulk job that lets it run beside."""
-        return not self._running or self._running == {True: False}
+        bulk = self._running.get(True)
+        return not self._running or (len(self._running) == 1 and bulk is not None and not bulk.alone)
 
     @property
     def queued(self) -> int:
@@ -159,7 +161,8 @@ class Scheduler:
         self._jobs = [job for job in self._jobs if not job.future.cancelled()]  # their sessions ended
         if not self._decode_lane_free():
             return
-        eligible = [job for job in self._jobs if not self._running or not (job.pending.prefill or job.alone)]
+        self._level_up({job.pending.source for job in self._jobs})
+        eligible = [job for job in self._jobs if not self._running or self._may_join(job, self._running[True])]
         if not eligible:
             return
         held = set() if gathered else unready([job.pending for job in eligible])
@@ -168,18 +171,25 @@ class Scheduler:
             self._gather()
             return
         self.stop_warm()
-        self._level_up({job.pending.source for job in self._jobs})
         batch = [ready[i] for i in next_batch([job.pending for job in ready], self._used, self._after_prefill)]
         taken = set(map(id, batch))
         self._jobs = [job for job in self._jobs if id(job) not in taken]
         runner = batch[0].runner
         work = batch[0].work if runner is None else functools.partial(runner, [job.work for job in batch])
         bulk = batch[0].pending.prefill
-        self._running[bulk] = batch[0].alone
+        self._running[bulk] = batch[0]
         done = asyncio.get_running_loop().run_in_executor(self._bulk if bulk else self._thread, work)
         done.add_done_callback(functools.partial(self._finish, batch, runner is not None, time.perf_counter()))
         if bulk and not batch[0].alone:
             self._dispatch()  # the decode steps waiting start beside it
+
+    def _may_join(self, job: _Job, bulk: _Job) -> bool:
+        """Whether `job` may start beside `bulk`, a bulk job that lets decode steps run: a decode
+        step of a unit served no more than `bulk`'s, so that a busier unit's steps never take the
+        cores from a less served unit's chunk (one API user's streams from another's prompt)."""
+        return not (job.pending.prefill or job.alone) and (
+            served(job.pending.source, self._used) <= served(bulk.pending.source, self._used)
+        )
 
     def _level_up(self, waiting: set[str]) -> None:
         """Bring the waiting connections and units up to RETURN_CREDIT below their floors, then set
