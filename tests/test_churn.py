@@ -277,6 +277,41 @@ def test_a_session_opening_on_a_crashed_peers_stage_goes_through_its_warm_backup
     assert state == PeerState.BACKUP  # nobody promoted it: the client routed through a warm backup
 
 
+def test_a_step_that_fails_on_a_peers_bug_is_asked_again_through_the_backup(tiny_models):
+    """A peer whose own code fails mid-generation (a bug, not the request's fault) answers the
+    step with an error; the client asks for a second opinion through the stage's warm backup, the
+    session goes on there, and the tokens are transformers' own."""
+    source = tiny_models["llama"]
+    ids = [5, 17, 42, 99, 3]
+
+    async def scenario():
+        async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
+            backup = await start_peer(source, maddrs, (2, 4), backup=True)
+            try:
+                compute, steps = peers[1].server.compute, []
+                forward = compute.forward
+
+                async def buggy(session, inputs):
+                    steps.append(inputs)
+                    if len(steps) == 3:
+                        raise KeyError("a bug")
+                    return await forward(session, inputs)
+
+                compute.forward = buggy
+                client = await join_swarm(maddrs, client_mode=True)
+                try:
+                    model = RemoteCausalLM.build(source, client, verify=0.0)
+                    return await model.generate(ids, 8, stop_at_eos=False, decode=False), len(steps)
+                finally:
+                    await client.shutdown()
+            finally:
+                await stop_peer(backup)
+
+    result, steps = uvloop.run(scenario())
+    assert steps == 3  # the peer with the bug was asked nothing after its failure
+    assert result.token_ids == _reference(source, ids, 8)
+
+
 def test_backups_piled_onto_one_stage_spread_and_the_moved_one_takes_over(tiny_models):
     """Two backups joined when 0:2 was the stage most at risk; then 2:4 lost one of its two peers.
     The backup that would promote last keeps 2:4 warm instead, and when 2:4 loses its last peer it
