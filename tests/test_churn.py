@@ -246,6 +246,25 @@ def test_a_peer_that_moves_away_and_back_is_used_again(tiny_models):
     assert state == PeerState.ONLINE
 
 
+@contextlib.asynccontextmanager
+async def _stages_and_a_backup(source):
+    """Peers on 0:2 and 2:4 of `source`, and a warm backup of 2:4: (peers, maddrs, backup)."""
+    async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
+        backup = await start_peer(source, maddrs, (2, 4), backup=True)
+        try:
+            yield peers, maddrs, backup
+        finally:
+            await stop_peer(backup)
+
+
+async def _eight_tokens(source, maddrs, ids, **settings):
+    client = await join_swarm(maddrs, client_mode=True)
+    try:
+        return await RemoteCausalLM.build(source, client, **settings).generate(ids, 8, stop_at_eos=False, decode=False)
+    finally:
+        await client.shutdown()
+
+
 def test_a_session_opening_on_a_crashed_peers_stage_goes_through_its_warm_backup(tiny_models):
     """A peer crashes and its record still says online. A client that opens a session now finds
     it silent; the stage's warm backup, not promoted yet, serves the session, and the tokens are
@@ -254,26 +273,14 @@ def test_a_session_opening_on_a_crashed_peers_stage_goes_through_its_warm_backup
     ids = [5, 17, 42, 99, 3]
 
     async def scenario():
-        async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
-            backup = await start_peer(source, maddrs, (2, 4), backup=True)
-            try:
-                crashed = peers.pop()
-                await crashed.server.stop()  # no goodbye: its record stays online until it expires
-                await crashed.swarm.shutdown()
-                client = await join_swarm(maddrs, client_mode=True)
-                try:
-                    model = RemoteCausalLM.build(source, client)
-                    result = await model.generate(ids, 8, stop_at_eos=False, decode=False)
-                finally:
-                    await client.shutdown()
-                return result, backup.record.state
-            finally:
-                await stop_peer(backup)
+        async with _stages_and_a_backup(source) as (peers, maddrs, backup):
+            crashed = peers.pop()
+            await crashed.server.stop()  # no goodbye: its record stays online until it expires
+            await crashed.swarm.shutdown()
+            return await _eight_tokens(source, maddrs, ids), backup.record.state
 
     result, state = uvloop.run(scenario())
-    with torch.no_grad():
-        expected = reference_model(source).generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)
-    assert result.token_ids == expected[0, len(ids):].tolist()
+    assert result.token_ids == _reference(source, ids, 8)
     assert state == PeerState.BACKUP  # nobody promoted it: the client routed through a warm backup
 
 
@@ -285,27 +292,18 @@ def test_a_step_that_fails_on_a_peers_bug_is_asked_again_through_the_backup(tiny
     ids = [5, 17, 42, 99, 3]
 
     async def scenario():
-        async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
-            backup = await start_peer(source, maddrs, (2, 4), backup=True)
-            try:
-                compute, steps = peers[1].server.compute, []
-                forward = compute.forward
+        async with _stages_and_a_backup(source) as (peers, maddrs, _):
+            compute, steps = peers[1].server.compute, []
+            forward = compute.forward
 
-                async def buggy(session, inputs):
-                    steps.append(inputs)
-                    if len(steps) == 3:
-                        raise KeyError("a bug")
-                    return await forward(session, inputs)
+            async def buggy(session, inputs):
+                steps.append(inputs)
+                if len(steps) == 3:
+                    raise KeyError("a bug")
+                return await forward(session, inputs)
 
-                compute.forward = buggy
-                client = await join_swarm(maddrs, client_mode=True)
-                try:
-                    model = RemoteCausalLM.build(source, client, verify=0.0)
-                    return await model.generate(ids, 8, stop_at_eos=False, decode=False), len(steps)
-                finally:
-                    await client.shutdown()
-            finally:
-                await stop_peer(backup)
+            compute.forward = buggy
+            return await _eight_tokens(source, maddrs, ids, verify=0.0), len(steps)
 
     result, steps = uvloop.run(scenario())
     assert steps == 3  # the peer with the bug was asked nothing after its failure
