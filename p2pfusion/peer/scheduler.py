@@ -10,9 +10,10 @@ job that lets others run beside it (an inference prefill chunk that hooks nothin
 module and touches no other session's cache; `peer.compute` says which) does not hold up the
 decode steps of units served no more than its own: they start on their own thread while it runs,
 and the OS gives them the cores first, so a decode step does not wait for a chunk to end. A busier
-unit's decode steps wait for the chunk, as they would for any job of a unit served less. `peer.batching.next_batch` decides what runs next and which
-decode steps run together; this module keeps the queue, charges each source the compute time
-its jobs took, and hands results back to the sessions' tasks.
+unit's decode steps wait for the chunk, as they would for any job of a unit served less.
+`peer.batching.next_batch` decides what runs next and which decode steps run together; this
+module keeps the queue, charges each source the compute time its jobs took, and hands results
+back to the sessions' tasks.
 """
 
 from __future__ import annotations
