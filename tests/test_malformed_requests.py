@@ -10,6 +10,7 @@ from hivemind.p2p import PeerID
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.errors import PeerRefused
 from p2pfusion.net import messages as m
 from p2pfusion.net.framing import read_frame, write_frame
 from tests.conftest import reference_model
@@ -94,7 +95,7 @@ def test_peer_survives_malformed_requests(tiny_models):
     assert "unknown session" in errors["unknown_session"]
     assert "must be float32, bfloat16 or float16, got torch.int64" in errors["dtype"]
     assert "shape" in errors["shape"] and "shape" in errors["rank"]
-    assert "NaN" in errors["nan"]
+    assert errors["nan"].endswith("contain NaN or infinity (64 of 64 values of step 99, from the client)")
     assert "it was opened for" in errors["too_long"]
     assert errors["codec"][0] == 98 and "exception" in errors["codec"][1]
     ref = reference_model(source)
@@ -137,3 +138,35 @@ def test_a_source_that_keeps_sending_bad_tensors_is_read_ever_more_slowly(tiny_m
     # the pauses after the 4th to 7th bad tensors: 0.05, 0.1, 0.2 and 0.4 s (a little less as counts decay)
     assert sum(waited[4:]) > 0.6, waited
     assert served_meanwhile
+
+
+async def _a_hop_that_computes_nan(source):
+    """The first of two hops returns NaN for the second step; the client's error, from the hop after it."""
+    async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
+        compute = peers[0].server.compute
+        forward, steps = compute.forward, []
+
+        async def broken(session, inputs):
+            out, seconds = await forward(session, inputs)
+            steps.append(out)
+            return (torch.full_like(out, float("nan")) if len(steps) == 2 else out), seconds
+
+        compute.forward = broken
+        client = await join_swarm(maddrs, client_mode=True)
+        try:
+            session = await RemoteCausalLM.build(source, client, verify=0.0).open_session(8)
+            await session.session.step(torch.zeros(1, 3, 64))
+            try:
+                await session.session.step(torch.zeros(1, 1, 64))
+            except PeerRefused as exc:
+                return str(exc), peers[0].swarm.peer_id
+            finally:
+                await session.close()
+        finally:
+            await client.shutdown()
+    return None, peers[0].swarm.peer_id
+
+
+def test_nan_from_a_hop_is_refused_by_the_next_naming_the_hop_that_sent_it(tiny_models):
+    error, first = uvloop.run(_a_hop_that_computes_nan(tiny_models["llama"]))
+    assert error == f"hidden states contain NaN or infinity (64 of 64 values of step 2, from peer {first})"

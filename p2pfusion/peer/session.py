@@ -161,8 +161,14 @@ class Session:
         held = None if self.params is None else self.params.digest
         if message.params != held:
             raise RequestError(f"step expects parameters {message.params}, but this session holds {held}")
-        if not torch.isfinite(tensor).all():
-            raise RequestError("hidden states contain NaN or infinity")
+        finite = torch.isfinite(tensor)
+        if not finite.all():
+            # which hop computed them: the last one named in the step's timings, or the client
+            sender = f"peer {message.timings[-1][0]}" if message.timings else "the client"
+            raise RequestError(
+                f"hidden states contain NaN or infinity ({int((~finite).sum())} of {finite.numel()} values "
+                f"of step {message.step}, from {sender})"
+            )
         mask = None if message.mask is None else mask_from_wire(message.mask, batch, offset + tokens)
         positions = None if message.positions is None else positions_from_wire(message.positions, batch, tokens)
         return StepInputs(tensor, mask, positions, self.params, keep=message.keep, cohort=message.cohort)
