@@ -350,7 +350,7 @@ def cost(source, args, ids) -> None:
             for name, (verify, hold) in cases.items():
                 figures[name].append(uvloop.run(run(verify, hold)))
     base = statistics.median(speed for speed, _ in figures["verify 0"])
-    print(f"cost: honest swarm of 4 peer processes (0:15, 15:30 twice), {args.tokens} tokens, {args.cost_runs} runs; "
+    print(f"cost: honest swarm of 4 peer processes (0:15 and 15:30, each twice), {args.tokens} tokens, {args.cost_runs} runs; "
           "gap: the longest wait between two tokens shown (median of runs; max)")
     for name, runs in figures.items():
         speed = statistics.median(speed for speed, _ in runs)
