@@ -5,7 +5,8 @@
    claims to be faster, so routes go through it. For each corruption and verification rate, fresh
    clients generate greedily (compression none: the tight tolerance). Per run: whether the liar
    corrupted anything, whether the client caught it (a rewind) and named it (by the end of the
-   canaries it sent through the peers it suspected after the generation), whether the tokens
+   canaries it sent through the peers it suspected after the generation), whether it named an
+   honest peer ("wrongly named": blame gone wrong), whether the tokens
    are the honest swarm's, and the time to detection, in positions and seconds, from the liar's
    first corrupted output to the client's noticing it.
 2. Cost: real peer processes, 0:15 and 15:30 twice each (every layer checkable), honest; tokens/s of
@@ -224,7 +225,7 @@ def detections(source, args, ids) -> None:
             try:
                 result = await model.generate(ids, args.tokens, stop_at_eos=False, decode=False)
                 await model.canaries.wait()  # a canary owed to a suspect names a liar that replays hid
-                return result, liar_id in model.core.access().distrusted
+                return result, set(model.core.access().distrusted)
             except RouteError:
                 if attempt == 2:
                     raise
@@ -234,11 +235,11 @@ def detections(source, args, ids) -> None:
         try:
             expected = (await run(client, 0.0))[0].token_ids
             print(f"detection: liar on 15:30 of {source.name}, {args.runs} runs x {args.tokens} tokens, compression none")
-            print(f"{'corruption':22} {'rate':>5} {'corrupted':>9} {'caught':>6} {'named':>5} {'tokens ok':>9} "
+            print(f"{'corruption':22} {'rate':>5} {'corrupted':>9} {'caught':>6} {'named':>5} {'wrongly named':>13} {'tokens ok':>9} "
                   f"{'positions':>9} {'seconds':>7}")
             cases = [(name, rate) for name in args.corruptions for rate in args.rates]
             for name, rate in tqdm(cases, desc="detection", file=sys.stderr, disable=not sys.stderr.isatty()):
-                corrupted = caught = named = correct = 0
+                corrupted = caught = named = wrongly = correct = 0
                 positions, seconds = [], []
                 corrupt = made(name, source)
                 extra = peers_loop.run(start_extra(source, maddrs)) if name.endswith("elsewhere") else None
@@ -249,7 +250,8 @@ def detections(source, args, ids) -> None:
                     liar.corrupt = None
                     corrupted += liar.first is not None
                     caught += result.rewinds > 0
-                    named += distrusted
+                    named += liar_id in distrusted
+                    wrongly += bool(distrusted - {liar_id})
                     correct += result.token_ids == expected
                     if liar.first is not None and noticed:
                         positions.append(noticed["position"] - liar.first[1])
@@ -259,7 +261,7 @@ def detections(source, args, ids) -> None:
                 span = lambda xs, fmt: format(statistics.median(xs), fmt) if xs else "-"  # noqa: E731
                 nudged = isinstance(corrupt, Nudge) and corrupt.sizes
                 size = f" (nudges {statistics.median(corrupt.sizes):.1e} of the norm)" if nudged else ""
-                print(f"{name:22} {rate:5.2f} {corrupted:>6}/{args.runs} {caught:>4}/{args.runs} {named:>3}/{args.runs} "
+                print(f"{name:22} {rate:5.2f} {corrupted:>6}/{args.runs} {caught:>4}/{args.runs} {named:>3}/{args.runs} {wrongly:>11}/{args.runs} "
                       f"{correct:>7}/{args.runs} {span(positions, '9.0f')} {span(seconds, '7.2f')}{size}", flush=True)
         finally:
             await client.shutdown()

@@ -1,5 +1,6 @@
 """Evidence, not votes, on real peers: a peer that lies only on decode steps (honest on the
-replays that localize a fault) is caught by a canary's signed receipts and reported with them; a
+replays that localize a fault) is convicted by the receipts it signed for the user's session, for
+that client, and by a canary's signed receipts, reported with them, for everyone; a
 fresh client that never checked anything convicts it from the report alone; a forged report
 convicts nobody and discredits its signer; a canary's frames look like a user's to a peer; and
 canaries speculate as users do, so a peer that lies only to sessions that draft is convicted."""
@@ -48,7 +49,7 @@ async def hiding_liar(source):
             swarm, model = await client(source, maddrs, verify=1.0)
             try:
                 result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
-                suspects = dict(model.core.distrust.suspects)
+                suspects, caught = dict(model.core.distrust.suspects), set(model.core.access().distrusted)
                 await model.canaries.wait()  # the canaries owed to the suspects
                 await model.canaries.wait()
                 canary = await Canaries(model.core, model.speculates, seed=1).run(through=liar.swarm.peer_id)
@@ -69,7 +70,7 @@ async def hiding_liar(source):
                 await swarm.shutdown()
         finally:
             await stop_peer(liar)
-    return liar.swarm.peer_id, result, suspects, canary, reports, trusting, distrusted, (forger.writer_id, discredited, stored)
+    return liar.swarm.peer_id, result, (suspects, caught), canary, reports, trusting, distrusted, (forger.writer_id, discredited, stored)
 
 
 def tampered(report: FaultReport) -> FaultReport:
@@ -92,13 +93,16 @@ def framed(canary, honest: str) -> FaultReport:
 def test_a_liar_honest_on_replays_is_convicted_by_its_receipts(tiny_models, caplog):
     source = tiny_models["llama"]
     caplog.set_level(logging.INFO, logger="p2pfusion")
-    liar, result, suspects, canary, reports, trusting, distrusted, (forger, discredited, stored) = uvloop.run(
+    liar, result, (suspects, caught), canary, reports, trusting, distrusted, (forger, discredited, stored) = uvloop.run(
         hiding_liar(source))
     with torch.no_grad():
         out = reference_model(source).generate(torch.tensor([IDS]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
     expected = out[0, len(IDS):].tolist()
     assert result.token_ids == expected and result.rewinds >= 1
-    assert liar in suspects  # the replays found no one: today's checks could only avoid it
+    # the replays found no one; the receipts it signed for the user's session convict it at once,
+    # for this client only (they hold the user's states), and canaries are owed to it for evidence
+    assert caught == {liar} and liar in suspects
+    assert any("signed a wrong result for layers 1:3 at position" in r.getMessage() for r in caplog.records)
     assert liar in canary.route and set(canary.convicted) == {liar} and canary.reported == {liar}
     assert canary.convicted[liar].output_error > 5 * canary.convicted[liar].bar  # far over: noise of 1%, a bar of 0.06%
     assert [report.peer_id for _, report in reports] == [liar]

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from p2pfusion.client.checks.evidence import INPUT_BAR, judge_receipt, output_bar, standing
+from p2pfusion.client.checks.evidence import INPUT_BAR, inconsistent, judge_hop, judge_receipt, output_bar, standing
 from p2pfusion.client.route.receipts import SignedSteps
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.errors import ProofError
@@ -184,3 +184,33 @@ def test_a_session_reads_the_codecs_its_hops_signed(key):
     for step in range(1, 4):
         signed.sent(step, Codec.NONE)
     assert signed.codecs(0, 7) == {Codec.NONE} and signed.codecs(0, 8) is None
+
+
+def test_a_hop_is_judged_on_its_whole_session(key):
+    """What a canary and a user's own session both rest on: a hop convicted on its first wrong
+    receipt that stands, avoided for receipts of another format or out of chain, and unjudged
+    (not signed) where its receipts are missing or not its own."""
+    inputs, outputs = states()
+    hop = PeerRecord("m", key.peer_id, [], 1, 3, PeerState.ONLINE, 1.0, None, "cpu")
+    honest = signed_steps(key, inputs, outputs, SIZES)
+    verdict = judge_hop(hop, honest, key.cert, inputs, outputs)
+    assert verdict.signed and not verdict.avoid and verdict.judgement is None
+    lied = outputs.clone()
+    lied[:, 3] *= 1.01
+    receipts = signed_steps(key, inputs, lied, SIZES)
+    verdict = judge_hop(hop, receipts, key.cert, inputs, outputs)
+    assert verdict.judgement.guilty and verdict.receipt == receipts[1] and verdict.kept == 1
+    assert judge_hop(hop, receipts, key.cert, inputs[:, :3], outputs[:, :3]).judgement is None  # the lie not known yet
+    assert not judge_hop(hop, receipts[:1] + receipts[2:], key.cert, inputs, outputs).signed  # a step's receipt missing
+    assert not judge_hop(hop, receipts, ReceiptKey(Identity.create()).cert, inputs, outputs).signed
+    assert judge_hop(hop, signed_steps(key, inputs, outputs, SIZES, weights="int4"), key.cert, inputs, outputs).avoid
+    # a step left out of the history it chains: another input than the peer says its cache holds
+    unchained = signed_steps(key, inputs, outputs, SIZES, offsets=[0, 3, 3])
+    assert judge_hop(hop, unchained[:1] + unchained[2:], key.cert, inputs[:, :4], outputs[:, :4]).avoid
+    # neighbours that disagree on the bytes between them are both named, and only they
+    after = PeerRecord("m", "next", [], 3, 4, PeerState.ONLINE, 1.0, None, "cpu")
+    first = PeerRecord("m", "first", [], 0, 1, PeerState.ONLINE, 1.0, None, "cpu")
+    sent = [dataclasses.replace(r, peer_id="next", input_digest=r.output_digest) for r in honest]
+    assert inconsistent([first, hop, after], honest + sent, "session-1") == set()
+    sent[1] = dataclasses.replace(sent[1], input_digest=bytes(32))
+    assert inconsistent([first, hop, after], honest + sent, "session-1") == {key.peer_id, "next"}

@@ -11,11 +11,13 @@ comparison's bar comes from the weight formats of the peers compared (client/che
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
 
 from p2pfusion.client.checks.distrust import Distrust
+from p2pfusion.client.checks.evidence import inconsistent, judge_hop
 from p2pfusion.client.checks.policy import Culprit, first_mismatch, hop_tolerance, judge, relative_errors, tolerance, witness_chain
 from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession
 from p2pfusion.client.route.session import RouteSession
@@ -161,6 +163,46 @@ class Blame:
         except PeerFailed as exc:
             self.session.failed(exc)
             return None
+
+    async def judge_receipts(
+        self, session: RouteSession, hidden: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None,
+    ) -> set[str]:
+        """The hops of `session` that its receipts convict, against the client's own computation
+        from the session's inputs `hidden` (positions [0, end)); those caught, as by a replay.
+        Nothing is published: the states are the user's. Hops whose receipts are missing, do
+        not hold or contradict their neighbour's are banned. Nothing is judged where the client
+        cannot compute the layers, or where its computation would not be the peers' (an
+        adapter's hooks, several sequences in a step)."""
+        route, signed = session.route, session.signed
+        if self.session.params is not None or hidden.shape[0] != 1:
+            return set()
+        boundaries = sorted({r.start for r in route} | {r.end for r in route})
+        states = await asyncio.to_thread(self.distrust.recomputer.through, hidden, route[0].start, boundaries, positions, mask)
+        if states is None:
+            return set()
+        caught, banned = set(), inconsistent(route, signed.receipts, signed.session_id)
+        for i, hop in enumerate(route):
+            mine = sorted((r for r in signed.receipts if r.peer_id == hop.peer_id and r.session == signed.session_id),
+                          key=lambda r: r.step)
+            verdict = judge_hop(hop, mine, signed.certs.get(hop.peer_id), states[hop.start], states[hop.end])
+            if not verdict.signed:
+                banned |= {r.peer_id for r in route[i:]}
+            elif verdict.avoid:
+                banned.add(hop.peer_id)
+            elif verdict.judgement is not None and hop.peer_id not in caught:
+                caught.add(hop.peer_id)
+                self.distrust.catch(hop.peer_id, self.reach)
+                self.caught.append(hop.peer_id)
+                log.warning(
+                    "peer %s signed a wrong result for layers %d:%d at position %d of this session (relative error %.2g, "
+                    "bar %.2g); no longer using it", hop.peer_id, hop.start, hop.end, verdict.receipt.offset,
+                    verdict.judgement.output_error, verdict.judgement.bar,
+                )
+        if banned - caught:
+            log.warning("peers %s sent receipts that do not hold for this session; avoiding them for a while",
+                        ", ".join(sorted(banned - caught)))
+            self.ban(banned - caught)
+        return caught
 
     def _compute_locally(self, hop: PeerRecord, hidden: torch.Tensor, positions, mask) -> torch.Tensor | None:
         if self.session.params is not None:

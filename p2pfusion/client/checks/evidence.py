@@ -6,8 +6,10 @@ that computation (it received the canary's true states, by its own word) and its
 does not. The bar is the rounding of the signer's weight format and of its output's codec, plus
 what its layers may grow the input's rounding into, with a margin for what eight directions
 estimate of a relative error. The same judgement runs on a fault report's evidence, by any client
-that reads it: a report that does not hold discredits its signer. `standing`, `judge_receipt`
-and `output_bar` are pure.
+that reads it: a report that does not hold discredits its signer. A client also judges the
+receipts of its own session, when a check found it wrong and no peer repeated the error on replay
+(client/checks/blame.py): the verdict is its own, since the evidence holds the user's states.
+`standing`, `judge_receipt`, `judge_hop`, `inconsistent` and `output_bar` are pure.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ import torch
 
 from p2pfusion.client.checks.local import Recomputer
 from p2pfusion.client.checks.policy import FORMAT_TOLERANCE, WIRE_TOLERANCE
-from p2pfusion.dht.records import FaultReport
+from p2pfusion.dht.records import FaultReport, PeerRecord
 from p2pfusion.errors import ProofError, RequestError
-from p2pfusion.net.receipts import Receipt, rows_of, session_seed, sketch
+from p2pfusion.net.receipts import Receipt, ReceiptCert, chain, rows_of, session_seed, sketch
 
 # A receipt's input rows may differ from the recomputed input by the wire's rounding (float16 and
 # bfloat16 codecs: 5e-4 to 5e-3) and the compute dtype's; past this its input was not the canary's
@@ -95,6 +97,69 @@ def judge_receipt(receipt: Receipt, steps: list[Step], inputs: torch.Tensor, out
     output_error = float(sketch_errors(claimed, sketch(output, receipt.output_digest)).max())
     bar = output_bar(receipt, input_error)
     return Judgement(not output_error <= bar, input_error, output_error, bar)
+
+
+@dataclass(frozen=True)
+class HopVerdict:
+    """What one hop's receipts of a session show against the client's computation of its layers."""
+
+    signed: bool  # False: receipts missing or not its own (it did not sign, or a later hop changed them)
+    avoid: bool = False  # receipts of another format than its record's, out of chain, or cut as no client cuts
+    judgement: Judgement | None = None  # of the first receipt that convicts it
+    receipt: Receipt | None = None  # that receipt
+    kept: int = 0  # its positions that stand
+
+
+def judge_hop(
+    hop: PeerRecord, receipts: list[Receipt], cert: ReceiptCert | None, inputs: torch.Tensor, outputs: torch.Tensor,
+) -> HopVerdict:
+    """Judge a hop on its receipts of one session (in step order) against the recomputed input
+    and output of its layers at the positions the client knows [1, known, hidden]: guilty on the
+    first receipt that its own input rows say it computed wrong."""
+    if cert is None or not receipts:
+        return HopVerdict(False)
+    try:
+        key = cert.verify()
+        for receipt in receipts:
+            receipt.verify(key)
+    except ProofError:
+        return HopVerdict(False)
+    if any(r.weights != hop.weights or r.batch != 1 for r in receipts):
+        return HopVerdict(True, avoid=True)
+    steps: list[Step] = []
+    history, end = b"", 0
+    for receipt in receipts:
+        history = chain(history, receipt.offset, receipt.tokens, receipt.rows)
+        if receipt.offset > end:
+            return HopVerdict(False)  # a step's receipt is missing
+        if receipt.history != history:
+            return HopVerdict(True, avoid=True)
+        steps.append((receipt.offset, receipt.tokens, rows_of(receipt.rows)))
+        end = receipt.offset + receipt.tokens
+    counts = standing(steps, inputs.shape[1])  # what stands of each step at the end
+    if counts is None:
+        return HopVerdict(True, avoid=True)
+    for i, (receipt, kept) in enumerate(zip(receipts, counts)):
+        if not kept:
+            continue
+        known = receipt.offset + kept
+        judgement = judge_receipt(receipt, steps[:i + 1], inputs[:, :known], outputs[:, :known])
+        if judgement.guilty:
+            return HopVerdict(True, judgement=judgement, receipt=receipt, kept=kept)
+    return HopVerdict(True)
+
+
+def inconsistent(route: list[PeerRecord], receipts: list[Receipt], session_id: str) -> set[str]:
+    """Neighbours whose digests of the bytes between them differ at some step: one of the two lies
+    about what it sent or received, and nothing shows which."""
+    signed = {(r.peer_id, r.step): r for r in receipts if r.session == session_id}
+    found: set[str] = set()
+    for a, b in zip(route, route[1:]):
+        for (peer, step), sent in signed.items():
+            got = signed.get((b.peer_id, step))
+            if peer == a.peer_id and got is not None and got.input_digest != sent.output_digest:
+                found |= {a.peer_id, b.peer_id}
+    return found
 
 
 def judge_report(report: FaultReport, recomputer: Recomputer, now: float | None = None) -> Judgement | None:

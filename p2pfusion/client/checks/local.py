@@ -63,14 +63,21 @@ class Recomputer:
     def states(self, tokens: list[int], boundaries: list[int]) -> dict[int, torch.Tensor] | None:
         """The float32 hidden states [1, len(tokens), hidden] at each layer of `boundaries` (0: the
         embeddings), computed as one prefill; None when the layers are too large to hold here."""
-        if not self.fits(0, max(boundaries)):
-            return None
         with torch.inference_mode():
             hidden = self.head.get_input_embeddings()(torch.tensor([tokens])).float()
-        states, at = {0: hidden}, 0
-        for layer in sorted(set(boundaries) - {0}):
-            hidden = self.forward(at, layer, hidden)
-            if hidden is None:
+        return self.through(hidden, 0, boundaries)
+
+    def through(
+        self, hidden: torch.Tensor, start: int, boundaries: list[int], positions=None, mask=None,
+    ) -> dict[int, torch.Tensor] | None:
+        """The float32 states at each layer of `boundaries` from `hidden`, the input of layer
+        `start`, as one prefill; None when the layers are too large to hold here."""
+        if not self.fits(start, max(boundaries)):
+            return None
+        states, at = {start: hidden.float()}, start
+        for layer in sorted(set(boundaries) - {start}):
+            states[layer] = self.forward(at, layer, states[at], positions, mask)
+            if states[layer] is None:
                 return None
-            states[layer], at = hidden, layer
+            at = layer
         return states

@@ -272,13 +272,14 @@ class Verifier:
             position += out.shape[1]
         return peers
 
-    def _route_at(self, position: int) -> tuple[PeerRecord, ...]:
+    def _step_at(self, position: int) -> int:
+        """The index of the step that computed `position` (the last step's past the end)."""
         at = 0
-        for out, route in zip(self.outputs, self.routes):
+        for i, out in enumerate(self.outputs):
             at += out.shape[1]
             if position < at:
-                return route
-        return self.routes[-1]
+                return i
+        return len(self.outputs) - 1
 
     async def _shadow_outputs(self, start: int, end: int) -> torch.Tensor | None:
         primary = set(self._route_peers(start, end))
@@ -355,14 +356,15 @@ class Verifier:
         honest rounding decides either way (`_near_tie`)."""
         checker = set() if self._shadow is None else {r.peer_id for r in self._shadow.route}
         await self._drop_shadow()
-        route = self._route_at(position)
+        at = self._step_at(position)
+        route, computed = self.routes[at], self.computed_by[at]
         log.info(
             "results at position %d differ between two routes (%s); checking hop by hop",
             position, "in the token chosen" if flip else f"relative error {error:.2g}",
         )
         hidden, positions = self._inputs(0, end)
-        mask = None if self.mask is None else self.mask[:, :end]
-        agreed, caught, sources = await self.blame.localize(list(route), hidden, positions, mask)
+        every = None if self.mask is None else self.mask[:, :end]
+        agreed, caught, sources = await self.blame.localize(list(route), hidden, positions, every)
         if caught & {r.peer_id for r in route}:
             return position
         claimed = torch.cat(self.outputs, dim=1)[:, position:end]
@@ -376,6 +378,8 @@ class Verifier:
         if not flip and agreed is not None and first_mismatch(relative_errors(claimed, agreed[:, position:end], mask), bar) is None:
             self.blame.ban(checker - {r.peer_id for r in route})  # the checking route erred, and not on replay
             return None
+        if await self.blame.judge_receipts(computed, hidden, positions, every):
+            return position  # a hop that replayed honestly signed the wrong result
         suspects = {r.peer_id for r in route} - self._shadow_reused
         log.warning(
             "the results at position %d were wrong, but no peer repeated the error; avoiding peers %s for a while",

@@ -32,14 +32,14 @@ import msgpack
 import torch
 
 from p2pfusion.client.checks.distrust import REPORT_TIMEOUT
-from p2pfusion.client.checks.evidence import Judgement, judge_receipt, standing
+from p2pfusion.client.checks.evidence import Judgement, inconsistent, judge_hop
 from p2pfusion.client.core import ClientCore
 from p2pfusion.client.generate.draft import Speculation, accept_greedy
 from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.dht.records import FaultReport, PeerRecord
 from p2pfusion.dht.validation import MAX_FAULT_BYTES
-from p2pfusion.errors import ModelError, PeerFailed, ProofError, RouteError
-from p2pfusion.net.receipts import MAX_CANARY_TOKENS, Evidence, Receipt, ReceiptCert, chain, rows_of
+from p2pfusion.errors import ModelError, PeerFailed, RouteError
+from p2pfusion.net.receipts import MAX_CANARY_TOKENS, Evidence, Receipt, ReceiptCert
 from p2pfusion.net.wire import encode
 
 log = logging.getLogger(__name__)
@@ -169,9 +169,14 @@ class Canaries:
             return result
         for i, hop in enumerate(route):
             mine = sorted((r for r in receipts if r.peer_id == hop.peer_id and r.session == session_id), key=lambda r: r.step)
-            if not self._judge_hop(hop, mine, certs.get(hop.peer_id), states, result):
+            verdict = judge_hop(hop, mine, certs.get(hop.peer_id), states[hop.start], states[hop.end])
+            if not verdict.signed:  # it did not sign, or a hop after it dropped or changed what it signed
                 result.avoided |= {r.peer_id for r in route[i:]}
-        self._consistent(route, receipts, session_id, result)
+            elif verdict.avoid:
+                result.avoided.add(hop.peer_id)
+            elif verdict.judgement is not None:
+                result.convicted[hop.peer_id], result.wrong[hop.peer_id] = verdict.judgement, (verdict.receipt, verdict.kept)
+        result.avoided |= inconsistent(route, receipts, session_id)
         for peer in result.avoided - set(result.convicted):
             log.warning("peer %s sent receipts that do not hold for a canary; avoiding it", peer)
             core.health.failed(peer, 0.0)
@@ -210,61 +215,6 @@ class Canaries:
 
     async def _choices(self, out: torch.Tensor) -> list[int]:
         return (await asyncio.to_thread(self.core.greedy_tokens, out))[0].tolist()
-
-    def _judge_hop(
-        self, hop: PeerRecord, receipts: list[Receipt], cert: ReceiptCert | None, states: dict[int, torch.Tensor],
-        result: CanaryResult,
-    ) -> bool:
-        """Convict the hop on the first of its receipts that its own inputs say it computed wrong,
-        or avoid it for receipts of another format than its record's or out of chain. False when
-        its receipts are missing or their signatures do not hold: it did not sign, or a hop after
-        it dropped or changed what it signed."""
-        if cert is None or not receipts:
-            return False
-        try:
-            key = cert.verify()
-            for receipt in receipts:
-                receipt.verify(key)
-        except ProofError:
-            return False
-        if any(r.weights != hop.weights or r.batch != 1 for r in receipts):
-            result.avoided.add(hop.peer_id)
-            return True
-        steps, history, end = [], b"", 0
-        for receipt in receipts:
-            history = chain(history, receipt.offset, receipt.tokens, receipt.rows)
-            if receipt.offset > end:
-                return False  # a step's receipt is missing
-            if receipt.history != history:
-                result.avoided.add(hop.peer_id)
-                return True
-            steps.append((receipt.offset, receipt.tokens, rows_of(receipt.rows)))
-            end = receipt.offset + receipt.tokens
-        counts = standing(steps, states[hop.start].shape[1])  # what stands of each step at the end
-        if counts is None:  # a cut no canary makes
-            result.avoided.add(hop.peer_id)
-            return True
-        for i, (receipt, kept) in enumerate(zip(receipts, counts)):
-            if not kept:
-                continue
-            known = receipt.offset + kept
-            judgement = judge_receipt(receipt, steps[:i + 1], states[hop.start][:, :known], states[hop.end][:, :known])
-            if judgement.guilty:
-                result.convicted[hop.peer_id], result.wrong[hop.peer_id] = judgement, (receipt, kept)
-                return True
-        return True
-
-    @staticmethod
-    def _consistent(route: list[PeerRecord], receipts: list[Receipt], session_id: str, result: CanaryResult) -> None:
-        """Each step's output a hop signed must be the input the next hop signed: where two
-        neighbours' digests differ, one of them lies about the bytes between them, and nothing
-        shows which. Both are avoided."""
-        signed = {(r.peer_id, r.step): r for r in receipts if r.session == session_id}
-        for a, b in zip(route, route[1:]):
-            for (peer, step), sent in signed.items():
-                got = signed.get((b.peer_id, step))
-                if peer == a.peer_id and got is not None and got.input_digest != sent.output_digest:
-                    result.avoided |= {a.peer_id, b.peer_id}
 
     async def _report(
         self, result: CanaryResult, route: list[PeerRecord], receipts: list[Receipt], certs: dict[str, ReceiptCert],
