@@ -191,8 +191,7 @@ class Blame:
                 banned.add(hop.peer_id)
             elif verdict.judgement is not None and hop.peer_id not in caught:
                 caught.add(hop.peer_id)
-                self.distrust.catch(hop.peer_id, self.reach)
-                self.caught.append(hop.peer_id)
+                self._catch(hop.peer_id)
                 log.warning(
                     "peer %s signed a wrong result for layers %d:%d at position %d of this session (relative error %.2g, "
                     "bar %.2g); no longer using it", hop.peer_id, hop.start, hop.end, verdict.receipt.offset,
@@ -215,10 +214,14 @@ class Blame:
     ) -> None:
         """Distrust a peer caught computing wrong and tell the user; canaries go through it next."""
         error = float(relative_errors(wrong, right, mask).max())
-        self.distrust.catch(peer.peer_id, self.reach)
-        self.caught.append(peer.peer_id)
+        self._catch(peer.peer_id)
         named = ", ".join(sorted(witnesses)) or "this client's own computation"
         log.warning(
             "peer %s returned wrong results for layers %d:%d (relative error %.2g against %s); no longer using it",
             peer.peer_id, peer.start, peer.end, error, named,
         )
+
+    def _catch(self, peer_id: str) -> None:
+        """Distrust a peer this client saw computing wrong; canaries go through it next."""
+        self.distrust.catch(peer_id, self.reach)
+        self.caught.append(peer_id)
