@@ -8,8 +8,10 @@ them), and the client's head stays float32, as in the swarm. Per format:
 2. speed, against float32 in the same run, the formats taking turns: a decode step (one token
    after a 64-token prefix, KV-cached) and a forward of 128 tokens, median of several;
 3. greedy-token agreement with float32: the codec benchmark's prompts (8 x 64 tokens);
-4. perplexity on held-out text (CPython's documentation, 4 windows of 256 tokens), and the
-   relative error of the final hidden states against float32 (the verifier's bar is set from it).
+4. perplexity on held-out text (CPython's documentation, 4 windows of 256 tokens), the relative
+   error of the final hidden states against float32, and the total variation between the
+   next-token distributions the client's head reads from both (the verifier's bars are set from
+   these two).
 Usage: python scripts/bench_formats.py [--formats float32,bfloat16,float16,int8,int4] [--tokens 64] [--prompts 8]
 """
 
@@ -27,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
-from p2pfusion.client.checks.policy import relative_errors
+from p2pfusion.client.checks.policy import relative_errors, total_variation
 from p2pfusion.models.formats import WeightFormat, layer_sizes, load_settings
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage
@@ -67,12 +69,12 @@ def timings(stages: dict, hidden_size: int) -> dict:
 
 
 @torch.inference_mode()
-def perplexity(model: RemoteCausalLM, stage, rows: torch.Tensor) -> tuple[float, torch.Tensor]:
-    """Perplexity of `rows`, and their final hidden states."""
+def perplexity(model: RemoteCausalLM, stage, rows: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """Perplexity of `rows`, their final hidden states and the head's logits."""
     hidden = stage.forward(model.head.get_input_embeddings()(rows).float(), 0)
     logits = model.logits(hidden).float()
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), rows[:, 1:].reshape(-1))
-    return float(loss.exp()), hidden
+    return float(loss.exp()), hidden, logits
 
 
 def main() -> None:
@@ -99,12 +101,13 @@ def main() -> None:
     speed = timings(stages, model.config.hidden_size)
     rows = held_out(model.tokenizer)
     prompts = [model.encode(p, chat=True) for p in codecs_bench.PROMPTS[: args.prompts]]
-    base_ppl, base_hidden = perplexity(model, stages[WeightFormat.FLOAT32], rows)
+    base_ppl, base_hidden, base_logits = perplexity(model, stages[WeightFormat.FLOAT32], rows)
     reference = [codecs_bench.greedy(model, [stages[WeightFormat.FLOAT32]], ids, args.tokens, None) for ids in prompts]
 
     print(f"\n| format | MiB/layer (planned) | of float32 | decode step | speed vs float32 | {FORWARD_TOKENS}-token forward "
-          f"| speed vs float32 | identical prompts | tokens before 1st difference | perplexity (ratio) | hidden-state error |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          f"| speed vs float32 | identical prompts | tokens before 1st difference | perplexity (ratio) | hidden-state error "
+          f"| next-token total variation (median; max) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     f32_bytes = stages[WeightFormat.FLOAT32].parameter_bytes()
     f32_decode, f32_forward = speed[WeightFormat.FLOAT32]
     for fmt in tqdm(formats, desc="tokens and perplexity", file=sys.stderr):
@@ -117,13 +120,15 @@ def main() -> None:
             first = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
             same += first == len(ref)
             shares.append(first / len(ref))
-        ppl, hidden = perplexity(model, stage, rows)
+        ppl, hidden, logits = perplexity(model, stage, rows)
         error = float(relative_errors(hidden, base_hidden).max())
+        shift = total_variation(logits, base_logits)
         decode, forward = speed[fmt]
         print(f"| {fmt.value} | {stage.parameter_bytes() / layers / 2**20:.2f} ({planned / 2**20:.2f}) | "
               f"{stage.parameter_bytes() / f32_bytes:.2f} | {1e3 * decode:.1f} ms | {f32_decode / decode:.2f}x | "
               f"{1e3 * forward:.0f} ms | {f32_forward / forward:.2f}x | {same} / {len(prompts)} | "
-              f"{100 * statistics.mean(shares):.0f} % | {ppl:.2f} ({ppl / base_ppl:.3f}) | {error:.3g} |")
+              f"{100 * statistics.mean(shares):.0f} % | {ppl:.2f} ({ppl / base_ppl:.3f}) | {error:.3g} | "
+              f"{float(shift.median()):.3g}; {float(shift.max()):.3g} |")
 
 
 if __name__ == "__main__":

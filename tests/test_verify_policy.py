@@ -12,7 +12,9 @@ from p2pfusion.client.checks.policy import (
     first_mismatch,
     judge,
     relative_errors,
+    shift_tolerance,
     tolerance,
+    total_variation,
     unchecked_layers,
     witness_chain,
 )
@@ -56,6 +58,23 @@ def test_tolerance_is_tight_only_for_exact_float32():
     assert tolerance(Codec.TOPK, torch.float32) == math.inf
     with pytest.raises(RequestError):
         check_rate(1.5)
+
+
+def test_the_distributions_bar_comes_from_the_formats_and_codecs_compared():
+    """Total variation between next-token distributions: tight between float32 routes sent raw,
+    widened only by the formats and codecs compared, and never passed against int4 (which changes
+    a small model's distribution outright)."""
+    logits = torch.tensor([[4.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    assert total_variation(logits, logits).tolist() == [0.0, 0.0]
+    moved = torch.tensor([[4.0, 3.9, 0.0], [0.0, math.inf, 0.0]])  # the same greedy token, other odds
+    distance = total_variation(logits, moved)
+    assert 0.3 < float(distance[0]) < 0.5 and float(distance[1]) == 1.0
+    assert shift_tolerance(Codec.NONE, torch.float32) <= 2e-3
+    assert shift_tolerance(AUTO, torch.float32) == shift_tolerance(Codec.FLOAT16, torch.float32) < 1e-2
+    assert shift_tolerance(AUTO, torch.float32, (), {Codec.NONE}) == shift_tolerance(Codec.NONE, torch.float32)
+    assert shift_tolerance(Codec.NONE, torch.float32, {"float32", "int8"}) == 0.3
+    assert shift_tolerance(Codec.NONE, torch.float32, {"int4"}) == 1.0  # nothing is further than 1
+    assert shift_tolerance(Codec.NONE, torch.float32, {"made-up"}) == 1.0
 
 
 def test_honest_float16_compute_and_wire_meet_the_tolerance(tiny_models):

@@ -16,6 +16,7 @@ from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.swarm_lm import Correction, SwarmLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.formats import WeightFormat
+from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_head
 from p2pfusion.net.compression import Codec
 from p2pfusion.cli.commands import StreamingDecoder
@@ -244,8 +245,9 @@ def test_a_checked_forward_pass_is_computed_again_without_the_liar(tiny_models):
     assert distrusted == {liar}
 
 
-def nudge_to_flip(head):
-    """The least change to a decode step's output that makes `head` choose another greedy token."""
+def nudge_to_flip(head, factor: float = 1.01):
+    """The least change to a decode step's output that makes `head` choose another greedy token
+    (times `factor`: under 1, the second token's odds come up to just under the first's)."""
 
     def corrupt(out: torch.Tensor) -> torch.Tensor:
         if out.shape[1] != 1:
@@ -264,7 +266,7 @@ def nudge_to_flip(head):
                 flipped = int(head(inputs_embeds=(h + middle * direction)[None, None]).logits[0, -1].argmax()) != int(first)
                 low, high = (low, middle) if flipped else (middle, high)
         nudged = out.clone()
-        nudged[0, -1] = (h + 1.01 * high * direction).to(out.dtype)
+        nudged[0, -1] = (h + factor * high * direction).to(out.dtype)
         return nudged
 
     return corrupt
@@ -301,6 +303,51 @@ def test_a_change_under_the_bar_that_flips_a_token_is_replayed_and_caught(tiny_m
     assert any("in the token chosen" in r.getMessage() for r in caplog.records)
     # it nudges decode steps only, so replaying the range as one prefill does not repeat it: its
     # tokens are undone and its route avoided for a while, but it is not named
+    assert result.token_ids == honest.token_ids and result.rewinds >= 1 and liar in avoided
+
+
+def sharpened(source, folder):
+    """The tiny model with its final norm scaled up 100 times: next-token distributions as peaked
+    as a trained model's, where moving the odds moves real probability."""
+    model = reference_model(source)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(100)
+    model.save_pretrained(folder)
+    return resolve_model(str(folder))
+
+
+def test_odds_moved_under_the_bar_without_changing_the_greedy_token_are_caught(tiny_models, tmp_path, caplog):
+    """Between int8 peers the states' bar is 0.3. A liar that brings the second token's odds up to
+    just under the first's at each decode step stays far under it and changes no greedy token, but
+    a sampled reply would follow its odds: the next-token distributions the client's head reads
+    from both routes tell (total variation over the formats' bar). It replays honestly, so its
+    tokens are undone and its route avoided for a while."""
+    source = sharpened(tiny_models["llama"], tmp_path)
+    head = load_head(source)
+    caplog.set_level(logging.INFO, logger="p2pfusion")
+
+    async def generate_with(maddrs, verify: float):
+        swarm = await join_swarm(maddrs, client_mode=True)
+        try:
+            model = RemoteCausalLM.build(source, swarm, compression="none", verify=verify)
+            result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
+            return result, model.core.health.banned(await model.core.access().records(0))
+        finally:
+            await swarm.shutdown()
+
+    async def scenario():
+        async with running_peers(source, [(0, 4)], quant=WeightFormat.INT8) as (_, maddrs):
+            liar = await start_peer(source, maddrs, (0, 4), throughput="1000", quant=WeightFormat.INT8)
+            try:
+                honest, _ = await generate_with(maddrs, 0.0)
+                lie(liar, nudge_to_flip(head, factor=0.97))
+                result, avoided = await generate_with(maddrs, 1.0)
+            finally:
+                await stop_peer(liar)
+        return liar.swarm.peer_id, honest, result, avoided
+
+    liar, honest, result, avoided = uvloop.run(scenario())
+    assert any("in the token chosen or its probability" in r.getMessage() for r in caplog.records)
     assert result.token_ids == honest.token_ids and result.rewinds >= 1 and liar in avoided
 
 

@@ -162,7 +162,7 @@ class ClientCore:
         """What checks a session's results (None with verification off)."""
         if self.options.verify <= 0:
             return None
-        return Verifier(session, self.distrust, self.options.verify, self.options.dtype, self.greedy_tokens)
+        return Verifier(session, self.distrust, self.options.verify, self.options.dtype, self.head_logits)
 
     def forward_check(self) -> ForwardCheck | None:
         """What checks a sample of training forwards (None with verification off)."""
@@ -173,8 +173,13 @@ class ClientCore:
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """The greedy token after each position of final hidden states [batch, tokens, hidden]; safe
         to call from another thread."""
+        return self.head_logits(hidden).argmax(dim=-1)
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits [batch, tokens, vocab] for final hidden states; safe to call from
+        another thread."""
         with torch.inference_mode():
-            return self.head(inputs_embeds=hidden.to(self.options.dtype)).logits.argmax(dim=-1)
+            return self.head(inputs_embeds=hidden.to(self.options.dtype)).logits
 
     async def longest_session(self, first: int = 0) -> int:
         """The longest sequence a session from layer `first` can hold now (soft prompt included):

@@ -18,7 +18,16 @@ import torch
 
 from p2pfusion.client.checks.distrust import Distrust
 from p2pfusion.client.checks.evidence import inconsistent, judge_hop
-from p2pfusion.client.checks.policy import Culprit, first_mismatch, hop_tolerance, judge, relative_errors, tolerance, witness_chain
+from p2pfusion.client.checks.policy import (
+    Culprit,
+    first_mismatch,
+    hop_tolerance,
+    judge,
+    relative_errors,
+    shift_tolerance,
+    tolerance,
+    witness_chain,
+)
 from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord
@@ -63,6 +72,11 @@ class Blame:
         if hop:
             return hop_tolerance(self.access.compression, self.dtype, formats)
         return tolerance(self.access.compression, self.dtype, formats, codecs)
+
+    def shift_bar(self, peers: list[PeerRecord], codecs: frozenset[Codec] | None = None) -> float:
+        """The same for the total variation between the next-token distributions the client's
+        head reads from their results."""
+        return shift_tolerance(self.access.compression, self.dtype, {r.weights for r in peers}, codecs)
 
     def avoided(self, records: list[PeerRecord]) -> set[str]:
         return self.access.health.banned(records) | self.access.distrusted

@@ -30,8 +30,9 @@ COMPUTE_TOLERANCE = {torch.float32: 2e-4, torch.float16: 5e-2, torch.bfloat16: 0
 # The same per weight format of the peers (scripts/bench_formats.py, all 30 layers in the format
 # against float32): bfloat16 8.2e-2, float16 7.8e-3, int8 1.0e-1, int4 0.77. Two routes are
 # compared with the bar of the least precise format among their own peers. Against int4 peers that
-# bar catches only gross lies (noise, zeros, another model's states); the greedy tokens the
-# client's head reads from both routes are compared too (client/checks/verifier.py).
+# bar catches only gross lies (noise, zeros, another model's states); the greedy tokens and the
+# next-token distributions the client's head reads from both routes are compared too
+# (client/checks/verifier.py).
 FORMAT_TOLERANCE = {"float32": 2e-4, "float16": 5e-2, "bfloat16": 0.2, "int8": 0.3, "int4": 2.0}
 WIRE_TOLERANCE = {Codec.NONE: 0.0, Codec.FLOAT16: 2e-2, Codec.BFLOAT16: 5e-2, Codec.INT8: 0.1, Codec.TOPK: math.inf}
 # Below this relative error between two routes' final states at a position, the greedy tokens
@@ -39,6 +40,17 @@ WIRE_TOLERANCE = {Codec.NONE: 0.0, Codec.FLOAT16: 2e-2, Codec.BFLOAT16: 5e-2, Co
 # that flipped a decode step's greedy token on the default model was 5.3e-3 of the state's norm
 # (scripts/bench_verify.py, "token nudge"); float16 rounding alone is 5e-4.
 FLIP_FLOOR = 1e-4
+# Total variation (half the L1 distance) between two honest routes' next-token distributions at
+# the client's head, at positions that chose a token: the greedy token is not all a sampled reply
+# depends on. Measured on the default model against float32, at most: on held-out text
+# (scripts/bench_formats.py) bfloat16 weights 0.11, float16 6.7e-3, int8 0.11, int4 0.78; on 5
+# chat replies of 48 tokens, two stages of a format each and every codec between them, float32
+# with float16 on the wire 1.6e-3, bfloat16 2.1e-2, int8 6.0e-2; bfloat16 weights 0.14, int8
+# 0.15, int4 0.98. int4 weights change this small model's distribution outright, so against int4
+# peers only the greedy token is compared. Each bar is about twice those.
+SHIFT_TOLERANCE = {"float32": 2e-3, "float16": 0.3, "bfloat16": 0.3, "int8": 0.3, "int4": 1.0}
+COMPUTE_SHIFT = {torch.float32: 2e-3, torch.float16: 0.3, torch.bfloat16: 0.3}
+WIRE_SHIFT = {Codec.NONE: 0.0, Codec.FLOAT16: 5e-3, Codec.BFLOAT16: 5e-2, Codec.INT8: 0.15, Codec.TOPK: 1.0}
 # One hop's output is compared with a tighter bar: what a hop adds, later layers amplify (noise
 # of 1e-4 on a middle hop's output reached the last hop's as 4.6e-4).
 HOP_SHARE = 0.25
@@ -65,6 +77,29 @@ def tolerance(
         wire = max((WIRE_TOLERANCE[c] for c in codecs), default=0.0)
     weights = [FORMAT_TOLERANCE.get(f, math.inf) for f in formats]
     return max(COMPUTE_TOLERANCE.get(dtype, COMPUTE_TOLERANCE[torch.bfloat16]), wire, *weights)
+
+
+def shift_tolerance(
+    compression: Compression, dtype: torch.dtype, formats: Collection[str] = (), codecs: Collection[Codec] | None = None
+) -> float:
+    """The largest total variation between honest routes' next-token distributions, from the same
+    things as `tolerance`; 1 (never passed) where nothing bounds it."""
+    if compression is not AUTO:
+        wire = WIRE_SHIFT[compression]
+    elif codecs is None:
+        wire = WIRE_SHIFT[Codec.FLOAT16]
+    else:
+        wire = max((WIRE_SHIFT[c] for c in codecs), default=0.0)
+    weights = [SHIFT_TOLERANCE.get(f, 1.0) for f in formats]
+    return max(COMPUTE_SHIFT.get(dtype, COMPUTE_SHIFT[torch.bfloat16]), wire, *weights)
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per row total variation between the softmaxes of two logits tensors [..., vocab]; a row
+    with a non-finite logit is as far as can be (1)."""
+    a, b = a.float(), b.float()
+    distance = 0.5 * (a.softmax(dim=-1) - b.softmax(dim=-1)).abs().sum(dim=-1)
+    return torch.where(torch.isfinite(distance), distance, torch.ones_like(distance))
 
 
 def hop_tolerance(compression: Compression, dtype: torch.dtype, formats: Collection[str] = ()) -> float:

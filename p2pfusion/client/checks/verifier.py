@@ -31,6 +31,7 @@ from p2pfusion.client.checks.policy import (
     first_mismatch,
     relative_errors,
     tolerance,
+    total_variation,
     unchecked_layers,
 )
 from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, SCREEN_BUDGET, ResilientSession, cut, joined
@@ -46,18 +47,18 @@ log = logging.getLogger(__name__)
 ATTEMPTS = 3  # checking routes tried before a check gives up
 QUIET_SECONDS = 30.0  # a swarm with no second route is looked at again after this long
 
-Tokens = Callable[[torch.Tensor], torch.Tensor]  # final hidden states [b, t, h] -> greedy tokens [b, t]
+Logits = Callable[[torch.Tensor], torch.Tensor]  # final hidden states [b, t, h] -> the head's logits [b, t, vocab]
 
 
 class Verifier:
     def __init__(
         self, session: ResilientSession, distrust: Distrust, rate: float, dtype: torch.dtype,
-        tokens: Tokens | None = None, seed: int | None = None,
+        logits: Logits | None = None, seed: int | None = None,
     ):
         self.session = session
         self.access = session.access
         self.blame = Blame(session, distrust, dtype)
-        self.tokens = tokens  # the client's head, to compare what the routes' outputs choose
+        self.logits = logits  # the client's head, to compare what the routes' outputs choose
         self.rate = rate
         self.dtype = dtype
         self.off = tolerance(self.access.compression, dtype) == math.inf
@@ -148,10 +149,11 @@ class Verifier:
                     return None
                 claimed = torch.cat(self.outputs, dim=1)[:, start:end]
                 wire = self._codecs(start, end)
-                bar = self.blame.bar([*self._route_peers(start, end).values(), *self._shadow.route], codecs=wire)
+                peers = [*self._route_peers(start, end).values(), *self._shadow.route]
                 errors = relative_errors(claimed, other, self._window_mask(start, end))
-                bad = first_mismatch(errors, bar)
-                flip = None if bad is not None else await self._first_flip(claimed, other, start, end, errors)
+                bad = first_mismatch(errors, self.blame.bar(peers, codecs=wire))
+                shift = self.blame.shift_bar(peers, codecs=wire)
+                flip = None if bad is not None else await self._first_flip(claimed, other, start, end, errors, shift)
                 if bad is None and flip is None:
                     self.checked = end
                     return None
@@ -176,20 +178,20 @@ class Verifier:
         return None
 
     async def _first_flip(
-        self, claimed: torch.Tensor, other: torch.Tensor, start: int, end: int, errors: torch.Tensor
+        self, claimed: torch.Tensor, other: torch.Tensor, start: int, end: int, errors: torch.Tensor, shift: float,
     ) -> int | None:
         """The first position of [start, end) that chose a token and where the client's head reads
-        different greedy tokens from the two routes' outputs: a difference under the bar can still
-        change the text, and a liar would aim for exactly that. Positions whose outputs differ by
-        less than FLIP_FLOOR are not read: no token there turns on that little."""
+        different greedy tokens from the two routes' outputs, or next-token distributions further
+        apart than `shift` (total variation): a difference under the bar can still change the
+        text, and a liar would aim for exactly that. Positions whose outputs differ by less than
+        FLIP_FLOOR are not read: no token there turns on that little."""
         worst = errors.max(dim=0).values
         chose = [p - start for p in self._choosing(start, end) if worst[p - start] > FLIP_FLOOR]
-        if self.tokens is None or not chose:
+        if self.logits is None or not chose:
             return None
         at = torch.tensor(chose)
-        rows = claimed.shape[0]
-        tokens = await asyncio.to_thread(self.tokens, torch.cat([claimed[:, at], other[:, at]]))
-        differ = tokens[:rows] != tokens[rows:]
+        same, distance = await asyncio.to_thread(self._read, claimed[:, at], other[:, at])
+        differ = ~same | (distance > shift)
         mask = self._window_mask(start, end)
         if mask is not None:
             differ &= mask[:, at].bool()
@@ -197,18 +199,27 @@ class Verifier:
         return None if hits.numel() == 0 else chose[int(hits[0, 0])]
 
     async def _near_tie(
-        self, claimed: torch.Tensor, replayed: torch.Tensor | None, wire: frozenset[Codec] | None
+        self, claimed: torch.Tensor, replayed: torch.Tensor | None, wire: frozenset[Codec] | None,
+        route: tuple[PeerRecord, ...],
     ) -> bool:
         """Whether a flip at one position is honest rounding: the route's own hops, replayed, give
-        its token again, or a state that differs from the claimed one by no more than the wire
-        (`wire`: the codecs of both) and the compute dtype round (the same peers computed both, so
-        their formats add nothing)."""
+        its token again and a distribution within the bar of its own formats, or a state that
+        differs from the claimed one by no more than the wire (`wire`: the codecs of both) and
+        the compute dtype round (the same peers computed both, so their formats add nothing)."""
         if replayed is None:
             return True
-        tokens = await asyncio.to_thread(self.tokens, torch.cat([claimed, replayed]))
-        if bool((tokens[:claimed.shape[0]] == tokens[claimed.shape[0]:]).all()):
+        same, distance = await asyncio.to_thread(self._read, claimed, replayed)
+        if bool(same.all()) and float(distance.max()) <= self.blame.shift_bar(list(route), wire):
             return True
         return float(relative_errors(claimed, replayed).max()) <= tolerance(self.access.compression, self.dtype, (), wire)
+
+    def _read(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whether the client's head chooses the same greedy token from final states `a` and `b`
+        [batch, positions, hidden], and the total variation between the distributions it reads
+        (both [batch, positions]); on a worker thread: a softmax over the vocabulary per row."""
+        logits = self.logits(torch.cat([a, b]))
+        rows = a.shape[0]
+        return logits[:rows].argmax(dim=-1) == logits[rows:].argmax(dim=-1), total_variation(logits[:rows], logits[rows:])
 
     def _codecs(self, start: int, end: int) -> frozenset[Codec] | None:
         """The codecs the outputs of positions [start, end) depend on crossed the wire in, on the
@@ -360,7 +371,7 @@ class Verifier:
         route, computed = self.routes[at], self.computed_by[at]
         log.info(
             "results at position %d differ between two routes (%s); checking hop by hop",
-            position, "in the token chosen" if flip else f"relative error {error:.2g}",
+            position, "in the token chosen or its probability" if flip else f"relative error {error:.2g}",
         )
         hidden, positions = self._inputs(0, end)
         every = None if self.mask is None else self.mask[:, :end]
@@ -370,7 +381,9 @@ class Verifier:
         claimed = torch.cat(self.outputs, dim=1)[:, position:end]
         # what the claimed states and their replay crossed the wire in, where receipts say
         wire = None if wire is None or self.blame.wire is None else wire | self.blame.wire
-        if flip and await self._near_tie(claimed[:, :1], None if agreed is None else agreed[:, position:position + 1], wire):
+        if flip and await self._near_tie(
+            claimed[:, :1], None if agreed is None else agreed[:, position:position + 1], wire, route,
+        ):
             log.info("two routes chose different tokens at position %d, a near tie the route's replay explains", position)
             return None
         mask = self._window_mask(position, end)
