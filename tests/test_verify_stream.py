@@ -272,34 +272,39 @@ def nudge_to_flip(head, factor: float = 1.01):
     return corrupt
 
 
-def test_a_change_under_the_bar_that_flips_a_token_is_replayed_and_caught(tiny_models, caplog):
-    """Between bfloat16 peers the bar is 0.2; a liar nudging each decode step just enough to flip
-    the greedy token stays under it, and only the tokens the client's head reads tell."""
-    source = tiny_models["llama"]
-    head = load_head(source)
-    caplog.set_level(logging.INFO, logger="p2pfusion")
+async def a_nudging_liar(source, corrupt, compression: str = "none", **options):
+    """Two peers of one stage (`options`: their format), the faster one a liar from the second
+    generation on: (the liar's id, an honest generation, a checked one, and the peers the
+    checking client avoids and distrusts after it)."""
 
     async def generate_with(maddrs, verify: float):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
-            model = RemoteCausalLM.build(source, swarm, compression="none", verify=verify)
+            model = RemoteCausalLM.build(source, swarm, compression=compression, verify=verify)
             result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
-            return result, model.core.health.banned(await model.core.access().records(0))
+            avoided = model.core.health.banned(await model.core.access().records(0))
+            return result, (avoided, set(model.core.access().distrusted))
         finally:
             await swarm.shutdown()
 
-    async def scenario():
-        async with running_peers(source, [(0, 4)], dtype=torch.bfloat16) as (_, maddrs):
-            liar = await start_peer(source, maddrs, (0, 4), throughput="1000", dtype=torch.bfloat16)
-            try:
-                honest, _ = await generate_with(maddrs, 0.0)
-                lie(liar, nudge_to_flip(head))
-                result, avoided = await generate_with(maddrs, 1.0)
-            finally:
-                await stop_peer(liar)
-        return liar.swarm.peer_id, honest, result, avoided
+    async with running_peers(source, [(0, 4)], **options) as (_, maddrs):
+        liar = await start_peer(source, maddrs, (0, 4), throughput="1000", **options)
+        try:
+            honest, _ = await generate_with(maddrs, 0.0)
+            lie(liar, corrupt)
+            result, avoided = await generate_with(maddrs, 1.0)
+        finally:
+            await stop_peer(liar)
+    return liar.swarm.peer_id, honest, result, avoided
 
-    liar, honest, result, avoided = uvloop.run(scenario())
+
+def test_a_change_under_the_bar_that_flips_a_token_is_replayed_and_caught(tiny_models, caplog):
+    """Between bfloat16 peers the bar is 0.2; a liar nudging each decode step just enough to flip
+    the greedy token stays under it, and only the tokens the client's head reads tell."""
+    source = tiny_models["llama"]
+    caplog.set_level(logging.INFO, logger="p2pfusion")
+    liar, honest, result, (avoided, _) = uvloop.run(
+        a_nudging_liar(source, nudge_to_flip(load_head(source)), dtype=torch.bfloat16))
     assert any("in the token chosen" in r.getMessage() for r in caplog.records)
     # it nudges decode steps only, so replaying the range as one prefill does not repeat it: its
     # tokens are undone and its route avoided for a while, but it is not named
@@ -323,30 +328,9 @@ def test_odds_moved_under_the_bar_without_changing_the_greedy_token_are_caught(t
     from both routes tell (total variation over the formats' bar). It replays honestly, so its
     tokens are undone and its route avoided for a while."""
     source = sharpened(tiny_models["llama"], tmp_path)
-    head = load_head(source)
     caplog.set_level(logging.INFO, logger="p2pfusion")
-
-    async def generate_with(maddrs, verify: float):
-        swarm = await join_swarm(maddrs, client_mode=True)
-        try:
-            model = RemoteCausalLM.build(source, swarm, compression="none", verify=verify)
-            result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
-            return result, model.core.health.banned(await model.core.access().records(0))
-        finally:
-            await swarm.shutdown()
-
-    async def scenario():
-        async with running_peers(source, [(0, 4)], quant=WeightFormat.INT8) as (_, maddrs):
-            liar = await start_peer(source, maddrs, (0, 4), throughput="1000", quant=WeightFormat.INT8)
-            try:
-                honest, _ = await generate_with(maddrs, 0.0)
-                lie(liar, nudge_to_flip(head, factor=0.97))
-                result, avoided = await generate_with(maddrs, 1.0)
-            finally:
-                await stop_peer(liar)
-        return liar.swarm.peer_id, honest, result, avoided
-
-    liar, honest, result, avoided = uvloop.run(scenario())
+    corrupt = nudge_to_flip(load_head(source), factor=0.97)
+    liar, honest, result, (avoided, _) = uvloop.run(a_nudging_liar(source, corrupt, quant=WeightFormat.INT8))
     assert any("in the token chosen or its probability" in r.getMessage() for r in caplog.records)
     assert result.token_ids == honest.token_ids and result.rewinds >= 1 and liar in avoided
 
@@ -356,7 +340,7 @@ def test_under_auto_compression_the_bar_is_that_of_the_codecs_the_receipts_name(
     (2e-2), and a replay that differs from the route's states by less passes for rounding. On
     loopback every hop's receipt says it sent float32: the bar is float32's, and nudges that flip
     a token while staying far under 2e-2 are caught and undone. The liar replays honestly, and its
-own receipts of the session, held to float32's bar, name it."""
+    own receipts of the session, held to float32's bar, name it."""
     source = tiny_models["llama"]
     head = load_head(source)
     sizes: list[float] = []
@@ -371,26 +355,6 @@ own receipts of the session, held to float32's bar, name it."""
         sizes.append(size)
         return nudged
 
-    async def generate_with(maddrs, verify: float):
-        swarm = await join_swarm(maddrs, client_mode=True)
-        try:
-            model = RemoteCausalLM.build(source, swarm, verify=verify)  # compression auto
-            result = await model.generate(IDS, NEW, stop_at_eos=False, decode=False)
-            return result, model.core.access().distrusted
-        finally:
-            await swarm.shutdown()
-
-    async def scenario():
-        async with running_peers(source, [(0, 4)]) as (_, maddrs):
-            liar = await start_peer(source, maddrs, (0, 4), throughput="1000")
-            try:
-                honest, _ = await generate_with(maddrs, 0.0)
-                lie(liar, measured)
-                result, distrusted = await generate_with(maddrs, 1.0)
-            finally:
-                await stop_peer(liar)
-        return liar.swarm.peer_id, honest, result, distrusted
-
-    liar, honest, result, distrusted = uvloop.run(scenario())
+    liar, honest, result, (_, distrusted) = uvloop.run(a_nudging_liar(source, measured, compression="auto"))
     assert sizes
     assert result.token_ids == honest.token_ids and result.rewinds >= 1 and distrusted == {liar}

@@ -69,13 +69,8 @@ def tolerance(
     the dtype of its hidden states and the weight formats of the peers that may compute them.
     Under `auto`, `codecs` are those the states compared actually crossed the wire in (the hops'
     signed receipts say); None: unknown, and float16 may have been one."""
-    if compression is not AUTO:
-        wire = WIRE_TOLERANCE[compression]
-    elif codecs is None:
-        wire = WIRE_TOLERANCE[Codec.FLOAT16]
-    else:
-        wire = max((WIRE_TOLERANCE[c] for c in codecs), default=0.0)
     weights = [FORMAT_TOLERANCE.get(f, math.inf) for f in formats]
+    wire = _on_the_wire(WIRE_TOLERANCE, compression, codecs)
     return max(COMPUTE_TOLERANCE.get(dtype, COMPUTE_TOLERANCE[torch.bfloat16]), wire, *weights)
 
 
@@ -84,14 +79,19 @@ def shift_tolerance(
 ) -> float:
     """The largest total variation between honest routes' next-token distributions, from the same
     things as `tolerance`; 1 (never passed) where nothing bounds it."""
-    if compression is not AUTO:
-        wire = WIRE_SHIFT[compression]
-    elif codecs is None:
-        wire = WIRE_SHIFT[Codec.FLOAT16]
-    else:
-        wire = max((WIRE_SHIFT[c] for c in codecs), default=0.0)
     weights = [SHIFT_TOLERANCE.get(f, 1.0) for f in formats]
+    wire = _on_the_wire(WIRE_SHIFT, compression, codecs)
     return max(COMPUTE_SHIFT.get(dtype, COMPUTE_SHIFT[torch.bfloat16]), wire, *weights)
+
+
+def _on_the_wire(bars: dict[Codec, float], compression: Compression, codecs: Collection[Codec] | None) -> float:
+    """A codec's bar for a session's codec choice; under `auto`, the largest among the codecs the
+    states crossed the wire in (None: unknown, and float16 may have been one)."""
+    if compression is not AUTO:
+        return bars[compression]
+    if codecs is None:
+        return bars[Codec.FLOAT16]
+    return max((bars[c] for c in codecs), default=0.0)
 
 
 def total_variation(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
