@@ -384,7 +384,7 @@ class Verifier:
         if flip and await self._near_tie(
             claimed[:, :1], None if agreed is None else agreed[:, position:position + 1], wire, route,
         ):
-            log.info("two routes chose different tokens at position %d, a near tie the route's replay explains", position)
+            log.info("two routes' next tokens or their odds differ at position %d, a near tie the route's replay explains", position)
             return None
         mask = self._window_mask(position, end)
         bar = self.blame.bar([*route, *sources], codecs=wire)
