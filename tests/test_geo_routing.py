@@ -13,7 +13,7 @@ import uvloop
 from p2pfusion.client.route.planner import find_route, link_seconds
 from p2pfusion.dht.records import PeerLink
 from p2pfusion.peer.balance import GEO_SLACK, Capacity, bottleneck, choose_range, layer_throughputs
-from p2pfusion.peer.geography import local_trip
+from p2pfusion.peer.geography import LocalTrips
 from p2pfusion.peer.upkeep import Upkeep
 from tests.policy_records import rec
 from tests.swarm import running_peers
@@ -120,10 +120,10 @@ def test_the_local_trip_goes_through_the_peers_this_one_measured():
     # a (0:10) and c (20:30) are beside the newcomer; b (10:20) is 100 ms from both them and it
     records = [rec(0, 10, name="a", links=[PeerLink("b", 0.1)]), rec(10, 20, name="b"), rec(20, 30, name="c", links=[PeerLink("b", 0.1)])]
     near = {"a": 0.001, "b": 0.1, "c": 0.001}
-    assert local_trip(records, 30, near, 10, 20) == pytest.approx(0.004)  # a -> here -> c
-    assert local_trip(records, 30, near, 0, 10) == pytest.approx(0.201)  # here -> b -> c -> client
+    assert LocalTrips(records, 30, near).trip(10, 20) == pytest.approx(0.004)  # a -> here -> c
+    assert LocalTrips(records, 30, near).trip(0, 10) == pytest.approx(0.201)  # here -> b -> c -> client
     assert choose_range(records, 30, Capacity(10.0, None, 10), near) == (10, 20)
-    assert local_trip(records[:2], 30, near, 0, 10) == float("inf")  # nobody serves 20:30
+    assert LocalTrips(records[:2], 30, near).trip(0, 10) == float("inf")  # nobody serves 20:30
 
 
 async def _measured(source):

@@ -21,6 +21,7 @@ def layer_throughputs(records: Iterable[PeerRecord], num_layers: int) -> list[fl
     totals = [0.0] * num_layers
     for r in map(planned, records):
         if r.serving:
+            rate = r.throughput
             for layer in range(r.start, min(r.end, num_layers)):
-                totals[layer] += r.throughput
+                totals[layer] += rate
     return totals

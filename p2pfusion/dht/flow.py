@@ -34,14 +34,18 @@ def _capacities(edges: Iterable[tuple[int, int, float]], num_layers: int) -> tup
     return matrix, unit
 
 
-def _flow(matrix: np.ndarray, source: int, sink: int):
-    return maximum_flow(csr_matrix(matrix.astype(np.int32)), source, sink, method="dinic")
+def _graph(matrix: np.ndarray) -> csr_matrix:
+    return csr_matrix(matrix.astype(np.int32))
+
+
+def _flow(graph: csr_matrix, source: int, sink: int):
+    return maximum_flow(graph, source, sink, method="dinic")
 
 
 def max_flow(edges: Iterable[tuple[int, int, float]], num_layers: int) -> float:
     """The maximum flow from boundary 0 to `num_layers` over (start, end, capacity) edges."""
     matrix, unit = _capacities(edges, num_layers)
-    return _flow(matrix, 0, num_layers).flow_value * unit
+    return _flow(_graph(matrix), 0, num_layers).flow_value * unit
 
 
 def serving_edges(records: Iterable[PeerRecord], num_layers: int) -> list[tuple[int, int, float]]:
@@ -60,9 +64,9 @@ class FlowRoom:
     def __init__(self, records: Iterable[PeerRecord], num_layers: int):
         self.num_layers = num_layers
         matrix, self._unit = _capacities(serving_edges(records, num_layers), num_layers)
-        result = _flow(matrix, 0, num_layers)
+        result = _flow(_graph(matrix), 0, num_layers)
         self.flow = result.flow_value * self._unit
-        self._residual = matrix - result.flow.toarray()  # a pushed unit may also be pushed back
+        self._residual = _graph(matrix - result.flow.toarray())  # a pushed unit may also be pushed back
         # each boundary's room is worked out when first asked for: candidates start at few of them
         self._into: dict[int, float] = {0: np.inf}
         self._out_of: dict[int, float] = {num_layers: np.inf}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from p2pfusion.dht.coverage import layer_throughputs, planned
 from p2pfusion.dht.flow import FlowRoom, swarm_flow
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
-from p2pfusion.peer.geography import local_trip
+from p2pfusion.peer.geography import LocalTrips
 
 # Decimal places kept when comparing throughputs, so float noise does not decide a choice.
 PRECISION = 9
@@ -121,7 +121,8 @@ def choose_range(
         ab for ab, score in scores.items()
         if room.flow + score[0] >= flow and all(x >= y for x, y in zip(score[1], floor))
     ]
-    return min(fair, key=lambda ab: (round(local_trip(records, num_layers, near, *ab), 6), _worse(scores[ab])))
+    trips = LocalTrips(records, num_layers, near)
+    return min(fair, key=lambda ab: (round(trips.trip(*ab), 6), _worse(scores[ab])))
 
 
 def _worse(score: tuple) -> tuple:

@@ -21,33 +21,39 @@ from p2pfusion.dht.records import PeerRecord
 ME = ""  # the joining peer, in the trips below
 
 
-def local_trip(records: list[PeerRecord], num_layers: int, near: Mapping[str, float], start: int, end: int) -> float:
+class LocalTrips:
     """The round trip of the shortest route around the model for a client beside this peer, if it
     served [start, end) too (seconds; inf when no route covers every layer). Only peers this one
     measured, and itself, are stops: a client would not route through peers far enough to be
-    unknown."""
-    typical = statistics.median(near.values())
-    stops = [r for r in map(planned, records) if r.serving and r.peer_id in near and r.end <= num_layers]
-    ranges = {r.peer_id: (r.start, r.end) for r in stops} | {ME: (start, end)}
-    by_id = {r.peer_id: r for r in stops}
+    unknown. The stops are read from the records once, as a claim prices many ranges."""
 
-    def away(peer: str) -> float:  # from the client, who stands where this peer does
-        return 0.0 if peer == ME else near[peer]
+    def __init__(self, records: list[PeerRecord], num_layers: int, near: Mapping[str, float]):
+        self.num_layers = num_layers
+        self.near = near
+        self.typical = statistics.median(near.values())
+        stops = [r for r in map(planned, records) if r.serving and r.peer_id in near and r.end <= num_layers]
+        self.ranges = {r.peer_id: (r.start, r.end) for r in stops}
+        self.by_id = {r.peer_id: r for r in stops}
 
-    def hop(a: str, b: str) -> float:
+    def _away(self, peer: str) -> float:  # from the client, who stands where this peer does
+        return 0.0 if peer == ME else self.near[peer]
+
+    def _hop(self, a: str, b: str) -> float:
         if ME in (a, b):
-            return away(b if a == ME else a)
-        claimed = by_id[a].round_trip_with(by_id[b])
-        return typical if claimed is None else claimed
+            return self._away(b if a == ME else a)
+        claimed = self.by_id[a].round_trip_with(self.by_id[b])
+        return self.typical if claimed is None else claimed
 
-    # the shortest trip from the client to the end of each stop's range, stops in order of their starts
-    arrive: dict[str, float] = {}
-    for peer in sorted(ranges, key=lambda p: ranges[p]):
-        first, _ = ranges[peer]
-        if first == 0:
-            arrive[peer] = away(peer)
-        else:
-            before = [arrive[p] + hop(p, peer) for p in arrive if ranges[p][1] == first]
-            if before:
-                arrive[peer] = min(before)
-    return min((t + away(p) for p, t in arrive.items() if ranges[p][1] == num_layers), default=math.inf)
+    def trip(self, start: int, end: int) -> float:
+        ranges = self.ranges | {ME: (start, end)}
+        # the shortest trip from the client to the end of each stop's range, stops in order of their starts
+        arrive: dict[str, float] = {}
+        for peer in sorted(ranges, key=lambda p: ranges[p]):
+            first, _ = ranges[peer]
+            if first == 0:
+                arrive[peer] = self._away(peer)
+            else:
+                before = [arrive[p] + self._hop(p, peer) for p in arrive if ranges[p][1] == first]
+                if before:
+                    arrive[peer] = min(before)
+        return min((t + self._away(p) for p, t in arrive.items() if ranges[p][1] == self.num_layers), default=math.inf)
