@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import numpy as np
 from scipy.sparse import csr_matrix
-from scipy.sparse.csgraph import maximum_flow
+from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from p2pfusion.dht.coverage import planned
 from p2pfusion.dht.records import PeerRecord
@@ -67,18 +67,26 @@ class FlowRoom:
         result = _flow(_graph(matrix), 0, num_layers)
         self.flow = result.flow_value * self._unit
         self._residual = _graph(matrix - result.flow.toarray())  # a pushed unit may also be pushed back
+        # most boundaries no path reaches (or leaves for the last) once the flow runs: their room
+        # is nothing, found by one search each way rather than a max flow per boundary
+        self._reached = set(breadth_first_order(self._residual, 0, return_predecessors=False).tolist())
+        self._reaching = set(breadth_first_order(self._residual.T.tocsr(), num_layers, return_predecessors=False).tolist())
         # each boundary's room is worked out when first asked for: candidates start at few of them
         self._into: dict[int, float] = {0: np.inf}
         self._out_of: dict[int, float] = {num_layers: np.inf}
 
     def into(self, boundary: int) -> float:
         if boundary not in self._into:
-            self._into[boundary] = _flow(self._residual, 0, boundary).flow_value * self._unit
+            reached = boundary in self._reached
+            self._into[boundary] = _flow(self._residual, 0, boundary).flow_value * self._unit if reached else 0.0
         return self._into[boundary]
 
     def out_of(self, boundary: int) -> float:
         if boundary not in self._out_of:
-            self._out_of[boundary] = _flow(self._residual, boundary, self.num_layers).flow_value * self._unit
+            reaching = boundary in self._reaching
+            self._out_of[boundary] = (
+                _flow(self._residual, boundary, self.num_layers).flow_value * self._unit if reaching else 0.0
+            )
         return self._out_of[boundary]
 
     def gain(self, start: int, end: int, rate: float) -> float:

@@ -66,8 +66,8 @@ def bottleneck(records: Iterable[PeerRecord], num_layers: int) -> float:
     return min(layer_throughputs(records, num_layers), default=0.0)
 
 
-def _leximin(totals: list[float]) -> tuple[float, ...]:
-    return tuple(sorted(round(t, PRECISION) for t in totals))
+def _rounded(totals: list[float]) -> list[float]:
+    return [round(t, PRECISION) for t in totals]
 
 
 def _starts(records: list[PeerRecord], num_layers: int) -> set[int]:
@@ -87,12 +87,13 @@ def _candidates(records: list[PeerRecord], num_layers: int, max_layers: int) -> 
     return sorted({(a, min(a + k, num_layers)) for a in starts for k in range(1, max_layers + 1)})
 
 
-def _score(totals: list[float], start: int, end: int, added: float, boundaries: set[int], room: FlowRoom):
-    after = list(totals)
-    for layer in range(start, end):
-        after[layer] += added
+def _score(totals: list[float], rounded: list[float], start: int, end: int, added: float, boundaries: set[int], room: FlowRoom):
+    """The claim's rank: the flow it adds, then the per-layer throughputs after it, sorted
+    (leximin), then how many of its ends meet others', then the earlier start. `rounded` is
+    `totals` rounded, of which a claim changes only its own layers."""
+    after = rounded[:start] + _rounded([totals[layer] + added for layer in range(start, end)]) + rounded[end:]
     aligned = (start in boundaries) + (end in boundaries)
-    return round(room.gain(start, end, added), PRECISION), _leximin(after), aligned, -start
+    return round(room.gain(start, end, added), PRECISION), tuple(sorted(after)), aligned, -start
 
 
 def choose_range(
@@ -109,8 +110,9 @@ def choose_range(
     totals = layer_throughputs(records, num_layers)
     bounds = {0, num_layers} | {x for r in map(planned, records) if r.serving for x in (r.start, r.end)}
     room = FlowRoom(records, num_layers)
+    rounded = _rounded(totals)
     scores = {
-        ab: _score(totals, ab[0], ab[1], me.throughput(ab[1] - ab[0]), bounds, room)
+        ab: _score(totals, rounded, ab[0], ab[1], me.throughput(ab[1] - ab[0]), bounds, room)
         for ab in _candidates(records, num_layers, me.max_layers)
     }
     best = max(scores, key=scores.__getitem__)
@@ -122,12 +124,9 @@ def choose_range(
         if room.flow + score[0] >= flow and all(x >= y for x, y in zip(score[1], floor))
     ]
     trips = LocalTrips(records, num_layers, near)
-    return min(fair, key=lambda ab: (round(trips.trip(*ab), 6), _worse(scores[ab])))
-
-
-def _worse(score: tuple) -> tuple:
-    gain, leximin, aligned, start = score
-    return -gain, tuple(-t for t in leximin), -aligned, -start
+    trip = {ab: round(trips.trip(*ab), 6) for ab in fair}
+    shortest = min(trip.values())
+    return max((ab for ab in fair if trip[ab] == shortest), key=scores.__getitem__)
 
 
 def with_peer(records: list[PeerRecord], peer_id: str, start: int, end: int, me: Capacity) -> list[PeerRecord]:
