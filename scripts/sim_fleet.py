@@ -18,20 +18,23 @@ With --churn-hours, each settled swarm then lives through that many simulated ho
 arrivals (p2pfusion/sim/churn.py): its flow against the live fleet's LP bound every 10 minutes,
 and every stretch in which a layer went unserved.
 Each seed's figures go to stderr as it ends (a seed of 1,000 peers takes minutes), beside a
-progress bar; --first-seed starts the seeds further on, to add seeds to an earlier run's.
+progress bar; --first-seed starts the seeds further on, to add seeds to an earlier run's, and
+--jobs simulates that many seeds at once, a process each.
 Usage: python scripts/sim_fleet.py --peers 100 --seeds 30 [--first-seed 0] [--models llama-70b-int8,llama-70b-int4]
-       [--churn-hours 2] [--search-seconds 600]
+       [--churn-hours 2] [--search-seconds 600] [--jobs 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from tqdm import tqdm
 
@@ -87,6 +90,22 @@ def one_seed(
     return result
 
 
+def timed_seed(seed: int, first: int, peers: int, model, exact_up_to: int, churn_hours: float, search: float) -> tuple[Seed, float]:
+    """`one_seed`, and the seconds it took; the first seed of a run also times the swarm's view."""
+    started = time.perf_counter()
+    result = one_seed(peers, model, seed, exact_up_to, churn_hours, seed == first, search)
+    return result, time.perf_counter() - started
+
+
+def results_of(work, seeds: range, jobs: int):
+    """Each seed's `work`, in the seeds' order, `jobs` seeds at a time."""
+    if jobs == 1:
+        yield from map(work, seeds)
+        return
+    with multiprocessing.Pool(min(jobs, len(seeds))) as pool:
+        yield from pool.imap(work, seeds)
+
+
 def view_time(records: list, model) -> None:
     """How long the `/v1/swarm` JSON's model view (client/survey.py) takes to build for this swarm."""
     view = ModelView(ModelEntry("sim", model.name, model.layers, model.hidden), records, {})
@@ -118,21 +137,24 @@ def main() -> None:
     parser.add_argument("--exact-up-to", type=int, default=20, help="largest fleet solved as an integer program")
     parser.add_argument("--search-seconds", type=float, default=0.0,
                         help="then a central search moves one peer at a time from the settled placement, this long at most")
+    parser.add_argument("--jobs", type=int, default=1, help="seeds simulated at once, one process each")
     args = parser.parse_args()
+    if args.jobs < 1:
+        parser.error("--jobs must be at least 1")
     settled_all = []
     for name in args.models.split(","):
         model = MODELS[name]
         t0 = time.perf_counter()
         results = []
         seeds = range(args.first_seed, args.first_seed + args.seeds)
+        work = partial(timed_seed, first=args.first_seed, peers=args.peers, model=model, exact_up_to=args.exact_up_to,
+                       churn_hours=args.churn_hours, search=args.search_seconds)
         with tqdm(seeds, desc=name, unit="seed", file=sys.stderr) as bar:
-            for seed in bar:
-                started = time.perf_counter()
-                results.append(one_seed(args.peers, model, seed, args.exact_up_to, args.churn_hours,
-                                        seed == args.first_seed, args.search_seconds))
-                search = "" if results[-1].searched is None else f", a central search from there {results[-1].searched:.3f}"
-                bar.write(f"{name} seed {seed}: after joins {results[-1].joined:.3f}, after rebalancing "
-                          f"{results[-1].settled:.3f}{search} ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
+            for seed, (result, seconds) in zip(bar, results_of(work, seeds, args.jobs)):
+                results.append(result)
+                search = "" if result.searched is None else f", a central search from there {result.searched:.3f}"
+                bar.write(f"{name} seed {seed}: after joins {result.joined:.3f}, after rebalancing "
+                          f"{result.settled:.3f}{search} ({seconds:.0f} s)", file=sys.stderr)
         joined = [r.joined for r in results]
         settled = [r.settled for r in results]
         settled_all += settled
