@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from p2pfusion.dht.flow import FlowRoom, max_flow, swarm_flow
+from p2pfusion.dht.flow import FlowRoom, _flow, max_flow, swarm_flow
 from p2pfusion.peer.balance import Capacity, layer_throughputs
 from p2pfusion.sim.churn import Timeline
 from p2pfusion.sim.fleet import draw_fleet, newcomer
@@ -24,6 +24,21 @@ def test_max_flow_needs_ranges_that_chain():
     assert room.gain(2, 4, 10.0) == pytest.approx(2.0)  # a's spare 2 tokens/s could go on
     assert room.gain(0, 1, 10.0) == pytest.approx(9.0)  # c, which starts at 1, is idle
     assert room.gain(0, 2, 1.0) == pytest.approx(0.0)  # nothing more leaves boundary 2
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_room_at_a_boundary_no_residual_path_reaches_is_what_a_max_flow_gives(seed):
+    # FlowRoom skips the max flow where a search finds no path: the skip must change nothing
+    rng = random.Random(seed)
+    records = []
+    for i in range(rng.randrange(2, 14)):
+        start = rng.randrange(12)
+        records.append(rec(start, rng.randrange(start + 1, 13), throughput=rng.choice([1.0, 2.0, 5.0]), name=f"p{i}"))
+    room = FlowRoom(records, 12)
+    for boundary in range(13):
+        whole_into = _flow(room._residual, 0, boundary).flow_value * room._unit if boundary > 0 else float("inf")
+        whole_out = _flow(room._residual, boundary, 12).flow_value * room._unit if boundary < 12 else float("inf")
+        assert room.into(boundary) == whole_into and room.out_of(boundary) == whole_out
 
 
 @pytest.mark.parametrize("seed", range(6))
