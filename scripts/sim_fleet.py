@@ -90,7 +90,9 @@ def one_seed(
     return result
 
 
-def timed_seed(seed: int, first: int, peers: int, model, exact_up_to: int, churn_hours: float, search: float) -> tuple[Seed, float]:
+def timed_seed(
+    seed: int, first: int, peers: int, model, exact_up_to: int, churn_hours: float, search: float,
+) -> tuple[Seed, float]:
     """`one_seed`, and the seconds it took; the first seed of a run also times the swarm's view."""
     started = time.perf_counter()
     result = one_seed(peers, model, seed, exact_up_to, churn_hours, seed == first, search)

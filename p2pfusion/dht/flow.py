@@ -70,7 +70,8 @@ class FlowRoom:
         # most boundaries no path reaches (or leaves for the last) once the flow runs: their room
         # is nothing, found by one search each way rather than a max flow per boundary
         self._reached = set(breadth_first_order(self._residual, 0, return_predecessors=False).tolist())
-        self._reaching = set(breadth_first_order(self._residual.T.tocsr(), num_layers, return_predecessors=False).tolist())
+        backwards = self._residual.T.tocsr()
+        self._reaching = set(breadth_first_order(backwards, num_layers, return_predecessors=False).tolist())
         # each boundary's room is worked out when first asked for: candidates start at few of them
         self._into: dict[int, float] = {0: np.inf}
         self._out_of: dict[int, float] = {num_layers: np.inf}

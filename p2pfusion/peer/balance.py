@@ -87,7 +87,9 @@ def _candidates(records: list[PeerRecord], num_layers: int, max_layers: int) -> 
     return sorted({(a, min(a + k, num_layers)) for a in starts for k in range(1, max_layers + 1)})
 
 
-def _score(totals: list[float], rounded: list[float], start: int, end: int, added: float, boundaries: set[int], room: FlowRoom):
+def _score(
+    totals: list[float], rounded: list[float], start: int, end: int, added: float, boundaries: set[int], room: FlowRoom
+):
     """The claim's rank: the flow it adds, then the per-layer throughputs after it, sorted
     (leximin), then how many of its ends meet others', then the earlier start. `rounded` is
     `totals` rounded, of which a claim changes only its own layers."""
