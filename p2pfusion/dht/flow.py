@@ -78,17 +78,16 @@ class FlowRoom:
 
     def into(self, boundary: int) -> float:
         if boundary not in self._into:
-            reached = boundary in self._reached
-            self._into[boundary] = _flow(self._residual, 0, boundary).flow_value * self._unit if reached else 0.0
+            self._into[boundary] = self._room(0, boundary, boundary in self._reached)
         return self._into[boundary]
 
     def out_of(self, boundary: int) -> float:
         if boundary not in self._out_of:
-            reaching = boundary in self._reaching
-            self._out_of[boundary] = (
-                _flow(self._residual, boundary, self.num_layers).flow_value * self._unit if reaching else 0.0
-            )
+            self._out_of[boundary] = self._room(boundary, self.num_layers, boundary in self._reaching)
         return self._out_of[boundary]
+
+    def _room(self, source: int, sink: int, connected: bool) -> float:
+        return _flow(self._residual, source, sink).flow_value * self._unit if connected else 0.0
 
     def gain(self, start: int, end: int, rate: float) -> float:
         """At most what a peer carrying `rate` through [start, end) would add to the flow."""

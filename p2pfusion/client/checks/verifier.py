@@ -152,8 +152,9 @@ class Verifier:
                 peers = [*self._route_peers(start, end).values(), *self._shadow.route]
                 errors = relative_errors(claimed, other, self._window_mask(start, end))
                 bad = first_mismatch(errors, self.blame.bar(peers, codecs=wire))
-                shift = self.blame.shift_bar(peers, codecs=wire)
-                flip = None if bad is not None else await self._first_flip(claimed, other, start, end, errors, shift)
+                flip = None if bad is not None else await self._first_flip(
+                    claimed, other, start, end, errors, self.blame.shift_bar(peers, codecs=wire),
+                )
                 if bad is None and flip is None:
                     self.checked = end
                     return None
