@@ -51,9 +51,24 @@ def test_route_names_missing_layers():
         find_route([rec(0, 10), rec(20, 25), rec(10, 20, PeerState.JOINING)], 30)
 
 
+def test_a_route_may_leave_a_peer_before_its_last_layer_where_another_hop_starts():
+    long, rest = rec(0, 6, name="long"), rec(4, 10, name="rest")
+    route = find_route([long, rest], 10)
+    assert [(r.peer_id, r.start, r.end) for r in route] == [("long", 0, 4), ("rest", 4, 10)]
+    # the shortened hop runs 4 of its 6 layers: its throughput is that of 4 layers
+    assert route[0].throughput == pytest.approx(long.throughput * 6 / 4)
+    # never cut short where a whole range chains as fast: its other layers stay free for routes that need them
+    whole = rec(0, 4, throughput=1.5, name="whole")
+    assert [(r.peer_id, r.end) for r in find_route([long, whole, rest], 10)] == [("whole", 4), ("rest", 10)]
+    # but a faster peer is taken for part of its range
+    fast = rec(0, 8, throughput=3.0, name="fast")
+    assert [(r.peer_id, r.end) for r in find_route([whole, fast, rest], 10)] == [("fast", 4), ("rest", 10)]
+
+
 def test_route_rejects_ranges_that_do_not_chain():
-    with pytest.raises(RouteError, match="do not chain"):
-        find_route([rec(0, 6), rec(4, 10)], 10)
+    # from layer 3 on, the peer serving 4:6 starts inside 0:6, which a route from 3 cannot enter
+    with pytest.raises(RouteError, match="do not chain from layer 3"):
+        find_route([rec(0, 6), rec(3, 4)], 6, first=3)
 
 
 def test_a_route_from_a_first_layer_ignores_the_layers_before_it():
@@ -82,7 +97,7 @@ def test_a_session_waits_for_a_gap_only_while_peers_are_loading_its_layers():
 def test_the_local_boundary_is_the_first_stage_start_at_or_after_k_with_a_route():
     records = [rec(0, 1), rec(1, 2), rec(1, 3), rec(0, 2), rec(2, 4), rec(3, 4, PeerState.JOINING)]
     assert [local_boundary(records, 4, k) for k in (0, 1, 2)] == [0, 1, 2]
-    assert local_boundary(records, 4, 1, avoid={"p1x2x1online"}) == 2  # 1:3 leads nowhere yet
+    assert local_boundary(records, 4, 1, avoid={"p1x2x1online"}) == 1  # 1:3 leaves for 2:4 at layer 2
     with pytest.raises(RequestError, match=r"starts at layer 3 or later \(the model has 4 layers; .* start at 0, 1, 2\)"):
         local_boundary(records, 4, 3)
     with pytest.raises(RouteError, match="no peer serves layers 3:4"):
@@ -98,6 +113,16 @@ def test_route_is_contiguous_whenever_it_exists(spans):
         return
     assert route[0].start == 0 and route[-1].end == 12
     assert all(x.end == y.start for x, y in zip(route, route[1:]))
+    # each hop runs the first layers of a peer's range
+    assert all(any(r.peer_id == hop.peer_id and r.start == hop.start and hop.end <= r.end for r in records) for hop in route)
+
+
+@given(st.lists(st.tuples(st.integers(0, 11), st.integers(1, 12)), max_size=8))
+def test_from_layer_0_a_route_exists_whenever_peers_serve_every_layer(spans):
+    records = [rec(a, b) for a, b in spans if a < b]
+    if missing_layers(records, 12):
+        return
+    find_route(records, 12)  # a hop may leave a peer wherever another starts
 
 
 def test_record_parsing_rejects_malformed_values():

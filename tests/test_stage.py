@@ -10,7 +10,7 @@ IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1, 64, 128]])
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
-def test_stage_equals_layers_of_local_model(tiny_models, family):
+def test_a_stage_and_its_first_layers_equal_those_layers_of_the_local_model(tiny_models, family):
     source = tiny_models[family]
     ref = reference_model(source)
     with torch.no_grad():
@@ -18,6 +18,17 @@ def test_stage_equals_layers_of_local_model(tiny_models, family):
     stage = load_stage(source, 1, 3)
     # hidden_states[i] is the input of layer i (before the final norm for i < num_layers)
     torch.testing.assert_close(stage.forward(states[1], 0), states[3], atol=1e-6, rtol=0)
+    # its first layers alone, with a cache of their own (a route that leaves the peer early), and
+    # the stage still whole after
+    view = stage.first_layers(2)
+    assert (view.start, view.end, len(view.module.layers)) == (1, 2, 1) and len(stage.module.layers) == 2
+    assert stage.first_layers(2) is view and stage.first_layers(3) is stage
+    cache = view.new_cache()
+    first, rest = view.forward(states[1][:, :7], 0, cache), view.forward(states[1][:, 7:], 7, cache)
+    torch.testing.assert_close(torch.cat([first, rest], dim=1), states[2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(stage.forward(states[1], 0), states[3], atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="not the first ones"):
+        stage.first_layers(1)
 
 
 @pytest.mark.parametrize("family", sorted(TINY_CONFIGS))
@@ -50,3 +61,4 @@ def test_out_of_bounds_range_is_rejected(tiny_models):
 
     with pytest.raises(ModelError, match="out of bounds"):
         load_stage(tiny_models["llama"], 2, 9)
+

@@ -1,7 +1,8 @@
 """What a swarm's peers carry together, routed perfectly: the maximum flow of tokens from layer
 boundary 0 to the last, each serving peer an edge from its range's start to its end with its
-throughput as capacity. A route changes peers only where one's range ends and the next one's
-starts, so layer-by-layer sums (dht/coverage.py) overstate it where ranges do not chain.
+throughput as capacity. Layer-by-layer sums (dht/coverage.py) overstate it where ranges do not
+chain. Routes may also leave a peer before its last layer (client/route/planner.py), which this
+does not count: what routes carry is at least this.
 
 `FlowRoom` says what a new range would add: tokens that can still reach its start, and still
 leave its end, once the present flow runs (an upper bound on its gain: the two paths might share

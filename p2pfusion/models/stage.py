@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -104,6 +104,26 @@ class Stage:
     device: torch.device = torch.device("cpu")
     batchable: bool = False  # sessions' steps may run as one batch (models.kv_cache)
     format: WeightFormat = WeightFormat.FLOAT32
+
+    views: dict[int, Stage] = field(default_factory=dict, repr=False, compare=False)
+
+    def first_layers(self, end: int) -> Stage:
+        """Layers [start, end) of this stage, sharing its weights: a session whose route leaves this
+        peer before its last layer runs only those (and caches only those). One view per `end`,
+        so sessions of the same view batch together."""
+        if not self.start < end <= self.end:
+            raise ValueError(f"layers {self.start}:{end} are not the first ones of {self.start}:{self.end}")
+        if end == self.end:
+            return self
+        if end not in self.views:
+            view = copy.copy(self.module)
+            # its own registry of the same submodules, with fewer layers; and a config that says so
+            # (the family's forward runs `layers[:num_hidden_layers]` and sizes caches from it)
+            object.__setattr__(view, "_modules", dict(self.module._modules))
+            view._modules["layers"] = nn.ModuleList(self.module.layers[: end - self.start])
+            view.config = _sliced_config(self.module.config, 0, end - self.start)
+            self.views[end] = replace(self, end=end, module=view, views={})
+        return self.views[end]
 
     @property
     def quantized_on_cpu(self) -> bool:

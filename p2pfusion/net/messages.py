@@ -40,7 +40,7 @@ from p2pfusion.net.compression import AUTO, Compression, LinkSpeed, Purpose
 from p2pfusion.net.receipts import Receipt, ReceiptCert
 from p2pfusion.net.wire import Bound, Length, decode_as, encode
 
-PROTOCOL = "p2pfusion.inference.v4"
+PROTOCOL = "p2pfusion.inference.v5"
 MAX_STEP_TOKENS = 8192  # batch x tokens of one step: bounds a peer's memory per step
 MAX_COHORT = 64  # steps of one cohort: a peer's batch holds at most 64 positions (peer/batching.py)
 MAX_SAVED = 8  # training steps a peer keeps awaiting their backward pass, per session
@@ -69,6 +69,9 @@ class ErrorCode(str, Enum):
 
 @dataclass(frozen=True)
 class Hop:
+    """The layers [start, end) a route runs on a peer: from its first layer to its last, or to an
+    earlier one where the next hop starts (it then runs and caches only those)."""
+
     peer_id: Id
     data_addrs: Annotated[list[Id], Length(MAX_HOP_ADDRS)]  # its direct TLS listener; empty: through libp2p
     start: Count

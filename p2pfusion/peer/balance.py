@@ -3,8 +3,8 @@
 The swarm's capacity at a layer is the summed throughput of the peers serving it; the swarm's
 *bottleneck* is the smallest of these. A peer serving `k` layers shares its compute among them,
 so serving more layers covers more but adds less to each (see `span_throughput`). What routes
-carry is less where ranges do not chain (a route hands hidden states from one peer's last layer
-to the next peer's first): the maximum flow through the ranges (dht/flow.py).
+carry is less where ranges do not chain (a route enters a peer at its first layer): at least the
+maximum flow through the ranges (dht/flow.py).
 
 A joining peer picks the range that adds most to that flow, then the one that maximizes the
 sorted vector of per-layer throughputs lexicographically (leximin): first the bottleneck, then

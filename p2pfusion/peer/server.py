@@ -110,8 +110,9 @@ class StageServer:
         return self._streams[1]
 
     def reservation(self, msg: m.Open) -> int:
-        """Bytes a session reserves: the KV cache it may grow to, or a training session's saved inputs."""
-        stage = self.stage
+        """Bytes a session reserves: the KV cache it may grow to (of the layers it runs here), or a
+        training session's saved inputs. `msg` passed `_check_open`."""
+        stage = self.stage.first_layers(msg.route[0].end)
         if msg.purpose == Purpose.TRAINING:
             return m.MAX_SAVED * m.MAX_STEP_TOKENS * stage.hidden_size * stage.dtype.itemsize
         return msg.batch * msg.length * token_bytes(stage)
@@ -189,8 +190,9 @@ class StageServer:
         hop = msg.route[0]
         if hop.peer_id != self.peer_id:
             raise RequestError(f"open: route names peer {hop.peer_id}, not this one")
-        if (hop.start, hop.end) != (self.stage.start, self.stage.end):
-            # the client's view of the swarm is stale (this peer moved): it should look again
+        if hop.start != self.stage.start or not hop.start < hop.end <= self.stage.end:
+            # the client's view of the swarm is stale (this peer moved): it should look again. A
+            # route may leave this peer before its last layer, never enter it after its first
             raise PeerFailed(
                 f"open: this peer serves layers {self.stage.start}:{self.stage.end}, not {hop.start}:{hop.end}",
                 self.peer_id,
@@ -233,14 +235,15 @@ class StageServer:
         # a listed peer speaks for its client: the session is charged as at its first hop; anyone
         # else's claim divides only its own share
         unit = fairness_unit(source.fairness, msg.client) if origin is None else msg.client or origin
+        stage = self.stage.first_layers(msg.route[0].end)
         session = Session(
-            msg.session_id, msg.length, self.stage, writer, msg.purpose,
+            msg.session_id, msg.length, stage, writer, msg.purpose,
             compression=msg.compression if msg.compression != AUTO else self.compression,
             upstream_link=msg.link, source=caps, client=unit, batch=msg.batch,
             reserved=self._admit(msg, caps),
             downstream_peers=frozenset(hop.peer_id for hop in msg.route[1:]),
-            frame_limits=session_limits(self.stage, self.model_layers, msg.batch, msg.length),
-            receipts=ReceiptChain(self.receipt_key, msg.session_id, self.stage.start, self.stage.end, self.stage.format.value),
+            frame_limits=session_limits(stage, self.model_layers, msg.batch, msg.length),
+            receipts=ReceiptChain(self.receipt_key, msg.session_id, stage.start, stage.end, stage.format.value),
         )
         self.sessions[msg.session_id] = session
         self.sessions_opened += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import replace
 from enum import Enum
 
 import torch
@@ -143,21 +144,24 @@ def judge(primary_witness: bool, primary_third: bool | None, witness_third: bool
 def _best_chain(
     candidates: list[PeerRecord], start: int, end: int, observed: dict[str, float], reused: Collection[str]
 ) -> list[PeerRecord] | None:
-    """A chain from `start` to exactly `end`: fewest reused peers, then fewest hops, then least time."""
+    """A chain from `start` to exactly `end`: fewest reused peers, then fewest hops, then least time.
+    A hop may leave a peer before its last layer, as a route's may (client/route/planner.py)."""
     best: dict[int, tuple[int, int, float, list[PeerRecord]]] = {end: (0, 0, 0.0, [])}
     for layer in range(end - 1, start - 1, -1):
         for r in candidates:
-            if r.start != layer or r.end not in best:
+            if r.start != layer:
                 continue
-            again, hops, seconds, rest = best[r.end]
-            option = (
-                again + (r.peer_id in reused),
-                hops + 1,
-                seconds + 1.0 / max(expected_throughput(r, observed), 1e-9),
-                [r] + rest,
-            )
-            if layer not in best or option[:3] < best[layer][:3]:
-                best[layer] = option
+            for exit in [e for e in range(layer + 1, min(r.end, end) + 1) if e in best]:
+                hop = r if exit == r.end else replace(r, end=exit)
+                again, hops, seconds, rest = best[exit]
+                option = (
+                    again + (r.peer_id in reused),
+                    hops + 1,
+                    seconds + 1.0 / max(expected_throughput(hop, observed), 1e-9),
+                    [hop] + rest,
+                )
+                if layer not in best or option[:3] < best[layer][:3]:
+                    best[layer] = option
     return best[start][3] if start in best else None
 
 
@@ -204,7 +208,7 @@ def witness_chain(
 ) -> list[PeerRecord] | None:
     """Other peers that together compute exactly layers [start, end), none of them in `avoid`, of
     the most precise formats that can."""
-    candidates = [r for r in usable(records, avoid, backups=True, length=length) if r.end <= end]
+    candidates = [r for r in usable(records, avoid, backups=True, length=length) if r.start < end]
     return _most_precise_chain(candidates, start, end, observed or {}, ())
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 
 from p2pfusion.dht.coverage import planned
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
@@ -158,8 +159,9 @@ def find_route(
     between consecutive hops (`link_seconds`), and at each hop 1/throughput (as
     `expected_throughput` sees it) and what its load costs (`load_seconds`, for a session of
     `batch` x `length` positions, with `own` the sessions this client holds through each peer).
-    A hop starts at the exact layer where the previous one ended, since a peer's cache holds its
-    whole range.
+    A hop starts at the exact layer where the previous one ended (a peer's first layer), and may
+    end before the peer's last layer, where another hop starts: the peer then runs (and caches)
+    only the layers up to there, and the route holds its record cut short (`Stage.first_layers`).
     """
     candidates = [r for r in usable(records, banned, backups=backups, length=length) if r.end <= num_layers]
     gaps = missing_layers(candidates, num_layers, first)
@@ -169,32 +171,39 @@ def find_route(
         raise RouteError(f"no peer serves layers {format_ranges(gaps)} of this model{_left_out(records, banned, gaps)}")
     observed, rtts, own = observed or {}, rtts or {}, own or {}
     best_rate = max(observed.values(), default=None)
-    # best[peer id] = (backups, seconds per token, route) of the best route from `first` to the end of that peer
-    best: dict[str, tuple[int, float, list[PeerRecord]]] = {}
-    ending: dict[int, list[PeerRecord]] = {}
+    exits = {r.start for r in candidates} | {num_layers}  # a hop ending elsewhere leads nowhere
+    # best[(peer id, end)] = (backups, seconds per token, layers its hops leave unused, route) of
+    # the best route from `first` to that end, its last hop that peer's. Of equally fast routes,
+    # the one that cuts peers' ranges least: it leaves the rest of a stage to routes that need it
+    best: dict[tuple[str, int], tuple[int, float, int, list[PeerRecord]]] = {}
+    ending: dict[int, list[tuple[str, int]]] = {}
     for r in sorted(candidates, key=lambda r: r.start):
-        step = 1.0 / max(expected_throughput(r, observed, best_rate), 1e-9)
-        work = step + load_seconds(r, step, batch * length, own.get(r.peer_id, 0))
+        before = [best[key] for key in ending.get(r.start, ())]
+        if r.start != first and not before:
+            continue
         spare = int(r.state == PeerState.BACKUP)
-        if r.start == first:
-            choice = (spare, rtts.get(r.peer_id, HOP_SECONDS) / 2 + work, [r])
-        else:
-            before = [
-                (best[p.peer_id][0] + spare, best[p.peer_id][1] + link_seconds(p, r, rtts) + work, best[p.peer_id][2] + [r])
-                for p in ending.get(r.start, ())
-            ]
-            if not before:
-                continue
-            choice = min(before, key=lambda c: c[:2])
-        best[r.peer_id] = choice
-        ending.setdefault(r.end, []).append(r)
+        for end in sorted(e for e in exits if r.start < e <= r.end):
+            hop = r if end == r.end else replace(r, end=end)
+            step = 1.0 / max(expected_throughput(hop, observed, best_rate), 1e-9)
+            work = step + load_seconds(hop, step, batch * length, own.get(r.peer_id, 0))
+            cut = r.end - end
+            if r.start == first:
+                choice = (spare, rtts.get(r.peer_id, HOP_SECONDS) / 2 + work, cut, [hop])
+            else:
+                choice = min(
+                    ((spares + spare, seconds + link_seconds(route[-1], r, rtts) + work, unused + cut, route + [hop])
+                     for spares, seconds, unused, route in before),
+                    key=lambda c: c[:3],
+                )
+            best[(r.peer_id, end)] = choice
+            ending.setdefault(end, []).append((r.peer_id, end))
     finished = [
-        (spares, seconds + rtts.get(r.peer_id, HOP_SECONDS) / 2, route)
-        for r in ending.get(num_layers, ()) for spares, seconds, route in [best[r.peer_id]]
+        (spares, seconds + rtts.get(route[-1].peer_id, HOP_SECONDS) / 2, unused, route)
+        for key in ending.get(num_layers, ()) for spares, seconds, unused, route in [best[key]]
     ]
     if not finished:
         raise RouteError(f"online peers cover every layer, but their ranges do not chain from layer {first} to the end")
-    return min(finished, key=lambda c: c[:2])[2]
+    return min(finished, key=lambda c: c[:3])[3]
 
 
 def link_seconds(a: PeerRecord, b: PeerRecord, rtts: Mapping[str, float]) -> float:
