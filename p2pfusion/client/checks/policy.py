@@ -151,9 +151,9 @@ def _best_chain(
         for r in candidates:
             if r.start != layer:
                 continue
-            for exit in [e for e in range(layer + 1, min(r.end, end) + 1) if e in best]:
-                hop = r if exit == r.end else replace(r, end=exit)
-                again, hops, seconds, rest = best[exit]
+            for leave in [e for e in range(layer + 1, min(r.end, end) + 1) if e in best]:
+                hop = r if leave == r.end else replace(r, end=leave)
+                again, hops, seconds, rest = best[leave]
                 option = (
                     again + (r.peer_id in reused),
                     hops + 1,
