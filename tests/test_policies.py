@@ -66,7 +66,7 @@ def test_a_route_may_leave_a_peer_before_its_last_layer_where_another_hop_starts
 
 
 def test_route_rejects_ranges_that_do_not_chain():
-    # from layer 3 on, the peer serving 4:6 starts inside 0:6, which a route from 3 cannot enter
+    # from layer 3 on, only 0:6 serves layers 4:6, and a route from 3 cannot enter it after its first layer
     with pytest.raises(RouteError, match="do not chain from layer 3"):
         find_route([rec(0, 6), rec(3, 4)], 6, first=3)
 

@@ -61,4 +61,3 @@ def test_out_of_bounds_range_is_rejected(tiny_models):
 
     with pytest.raises(ModelError, match="out of bounds"):
         load_stage(tiny_models["llama"], 2, 9)
-
