@@ -37,11 +37,11 @@ from transformers import AutoModelForCausalLM
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.coverage import layer_throughputs
-from p2pfusion.dht.flow import swarm_flow
 from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
+from p2pfusion.peer.balance import bottleneck
 from bench_machine import machine_header
 from bench_poisoned_run import small_model
 from scale_churn import churn
@@ -156,7 +156,7 @@ def coverage_line(records: list[PeerRecord], num_layers: int) -> str:
     covered = sum(t > 0 for t in layer_throughputs(online, num_layers))
     backups = sum(r.state == PeerState.BACKUP for r in records)
     return (f"{len(online)} online, {backups} backups, {covered}/{num_layers} layers covered, "
-            f"flow {swarm_flow(online, num_layers):.0f} tokens/s")
+            f"bottleneck {bottleneck(online, num_layers):.0f} tokens/s")
 
 
 async def run(args) -> None:

@@ -6,9 +6,10 @@ RTX 3060 to A100, Apple and CPU-only machines, home and fibre links, three regio
 (Llama 70B in int8 and int4, 80 layers). They join in random order, each placing itself with the
 real policy (peer/balance.py's place_peer, with its round trips to a dozen peers), then rebalance
 with the real plan_move until nobody moves (p2pfusion/sim/swarm.py). Demand is saturated. The
-swarm's throughput is the maximum flow through its serving peers' ranges (routing done
-perfectly); the optimum is the best placement of the same fleet (p2pfusion/sim/optimum.py: a
-mixed-integer program solved by HiGHS; for fleets over --exact-up-to peers, its linear relaxation,
+swarm's throughput is its weakest layer's, the serving peers' rates summed (routing done
+perfectly: routes may leave a peer early, so that is the maximum flow, peer/balance.py); the
+optimum is the best placement of the same fleet (p2pfusion/sim/optimum.py: a mixed-integer program
+solved by HiGHS; for fleets over --exact-up-to peers, its linear relaxation,
 an upper bound, so the ratios printed are at most what they would be against the true optimum).
 For the first seed it also times the `/v1/swarm` view of the swarm (client/survey.py), on stderr.
 With --search-seconds, a central search then moves one peer at a time from the settled placement
@@ -40,9 +41,9 @@ from tqdm import tqdm
 
 from p2pfusion.client.survey import ModelView
 from p2pfusion.dht.records import ModelEntry
+from p2pfusion.peer.balance import bottleneck
 from p2pfusion.sim.churn import SESSION_MEDIAN, Timeline
 from p2pfusion.sim.fleet import draw_fleet, newcomer
-from p2pfusion.dht.flow import swarm_flow
 from p2pfusion.sim.optimum import best_placement, searched
 from p2pfusion.sim.profiles import MODELS
 from p2pfusion.sim.swarm import built
@@ -66,9 +67,9 @@ def one_seed(
     rng = random.Random(seed)
     fleet = draw_fleet(peers, model, rng)
     swarm = built(fleet, model, rng)
-    joined = swarm_flow(swarm.records.values(), model.layers)
+    joined = bottleneck(swarm.records.values(), model.layers)
     swarm.settle()
-    settled = swarm_flow(swarm.records.values(), model.layers)
+    settled = bottleneck(swarm.records.values(), model.layers)
     if time_view:
         view_time(list(swarm.records.values()), model)
     best = best_placement([v.capacity for v in fleet], model.layers, relax=peers > exact_up_to)

@@ -126,6 +126,14 @@ def test_the_local_trip_goes_through_the_peers_this_one_measured():
     assert LocalTrips(records[:2], 30, near).trip(0, 10) == float("inf")  # nobody serves 20:30
 
 
+def test_a_local_trip_may_leave_a_stop_where_the_next_starts():
+    records = [rec(0, 15, name="a"), rec(20, 30, name="c")]
+    trips = LocalTrips(records, 30, {"a": 0.001, "c": 0.002})
+    assert trips.trip(10, 20) == pytest.approx(0.006)  # a, left at 10 -> here -> c -> client
+    assert trips.trip(16, 20) == float("inf")  # no route reaches layer 16 but through a's 15
+    assert trips.trip(0, 20) == pytest.approx(0.004)  # here -> c -> client
+
+
 async def _measured(source):
     async with running_peers(source, [(0, 2), (2, 4), (0, 2)]) as (peers, _):
         for peer in peers:

@@ -2,18 +2,25 @@
 
 The swarm's capacity at a layer is the summed throughput of the peers serving it; the swarm's
 *bottleneck* is the smallest of these. A peer serving `k` layers shares its compute among them,
-so serving more layers covers more but adds less to each (see `span_throughput`). What routes
-carry is less where ranges do not chain (a route enters a peer at its first layer): at least the
-maximum flow through the ranges (dht/flow.py).
+so serving more layers covers more but adds less to each (see `span_throughput`). The bottleneck
+is what routes carry together, routed perfectly: a route enters a peer at its first layer and may
+leave it at any later one (client/route/planner.py), so tokens pass from one peer to another
+wherever the second starts inside the first's range. Drawn as a flow network whose nodes are the
+layer boundaries, each range an edge from its start to its end, leaving early is an unbounded
+edge from each boundary back to the one before (a path that runs a peer to its end and steps back
+to `y` is a route that left it at `y`). A cut that crosses such an edge is unbounded, so the
+finite cuts are the boundaries' prefixes, each crossed by the ranges that serve one layer: the
+maximum flow is the weakest layer's throughput (tests/test_sim_fleet.py checks it against the
+network built the long way). It counts a hop cut short at the whole range's rate, so what routes
+carry is at least this.
 
-A joining peer picks the range that adds most to that flow, then the one that maximizes the
-sorted vector of per-layer throughputs lexicographically (leximin): first the bottleneck, then
-the next weakest layer, and so on. That covers a swarm that carries nothing yet, raises the
-weakest stage first and spreads equal peers evenly. A range starts where a hop may and may end
-anywhere: the next joiner starts there. A peer that knows its round trips to others prefers,
-among ranges nearly as good (GEO_SLACK), the one that shortens routes near it most
-(peer/geography.py): routes then stay in one region (the FusionLLM seed groups devices by their
-links for the same reason).
+A joining peer picks the range that maximizes the sorted vector of per-layer throughputs
+lexicographically (leximin): first the bottleneck, then the next weakest layer, and so on. That
+covers a swarm that carries nothing yet, raises the weakest stage first and spreads equal peers
+evenly. A range starts where a route can reach and may end anywhere: the next joiner starts
+there. A peer that knows its round trips to others prefers, among ranges nearly as good
+(GEO_SLACK), the one that shortens routes near it most (peer/geography.py): routes then stay in
+one region (the FusionLLM seed groups devices by their links for the same reason).
 """
 
 from __future__ import annotations
@@ -21,16 +28,17 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+import numpy as np
+
 from p2pfusion.dht.coverage import layer_throughputs, planned
-from p2pfusion.dht.flow import FlowRoom, swarm_flow
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
 from p2pfusion.peer.geography import LocalTrips
 
 # Decimal places kept when comparing throughputs, so float noise does not decide a choice.
 PRECISION = 9
-# The share of the swarm's flow, and of each layer's throughput (sorted, each to each), a claim
-# may give up to shorten the routes near the peer: in simulated 3-region swarms routes came out a
-# fifth to a quarter shorter, the flow the same on average (docs/benchmarks.md)
+# The share of each layer's throughput (sorted, each to each, so the bottleneck's too) a claim may
+# give up to shorten the routes near the peer: in simulated 3-region swarms routes came out a fifth
+# to a quarter shorter, the bottleneck the same on average (docs/benchmarks.md)
 GEO_SLACK = 0.1
 
 
@@ -66,69 +74,72 @@ def bottleneck(records: Iterable[PeerRecord], num_layers: int) -> float:
     return min(layer_throughputs(records, num_layers), default=0.0)
 
 
-def _rounded(totals: list[float]) -> list[float]:
-    return [round(t, PRECISION) for t in totals]
-
-
 def _starts(records: list[PeerRecord], num_layers: int) -> set[int]:
-    """Layers where a hop may start: 0, after someone's end, and the first layer of each gap."""
-    serving = [r for r in map(planned, records) if r.serving and r.end <= num_layers]
-    covered = [t > 0 for t in layer_throughputs(serving, num_layers)]
-    starts = {0} | {r.end for r in serving if r.end < num_layers}
-    return starts | {layer for layer in range(num_layers) if not covered[layer] and (layer == 0 or covered[layer - 1])}
+    """Layers where a hop may start: 0, and every layer a route can reach, where someone's range
+    ends or passes (a route may leave that peer there), the first layer of a gap included."""
+    covered = [t > 0 for t in layer_throughputs(records, num_layers)]
+    return {0} | {layer for layer in range(1, num_layers) if covered[layer - 1]}
 
 
-def _candidates(records: list[PeerRecord], num_layers: int, max_layers: int) -> list[tuple[int, int]]:
-    """Ranges that start where a hop may start and hold up to `max_layers`. They may end anywhere:
-    a range that ends where nobody starts yet is where the next joiner starts (requiring ends
-    that someone already starts at let early peers with much memory and little speed fix the
-    stages for good: a simulated fleet then reached a tenth of its best placement)."""
+def _candidates(records: list[PeerRecord], num_layers: int, max_layers: int) -> np.ndarray:
+    """Ranges (rows of start, end) that start where a hop may start and hold up to `max_layers`.
+    They may end anywhere: a range that ends where nobody starts yet is where the next joiner
+    starts (requiring ends that someone already starts at let early peers with much memory and
+    little speed fix the stages for good: a simulated fleet then reached a tenth of its best
+    placement)."""
     starts = _starts(records, num_layers)
-    return sorted({(a, min(a + k, num_layers)) for a in starts for k in range(1, max_layers + 1)})
+    ranges = sorted({(a, min(a + k, num_layers)) for a in starts for k in range(1, max_layers + 1)})
+    return np.array(ranges, dtype=np.int64).reshape(-1, 2)
 
 
-def _score(
-    totals: list[float], rounded: list[float], start: int, end: int, added: float, boundaries: set[int], room: FlowRoom
-):
-    """The claim's rank: the flow it adds, then the per-layer throughputs after it, sorted
-    (leximin), then how many of its ends meet others', then the earlier start. `rounded` is
-    `totals` rounded, of which a claim changes only its own layers."""
-    after = rounded[:start] + _rounded([totals[layer] + added for layer in range(start, end)]) + rounded[end:]
-    aligned = (start in boundaries) + (end in boundaries)
-    return round(room.gain(start, end, added), PRECISION), tuple(sorted(after)), aligned, -start
+@dataclass(frozen=True)
+class _Scores:
+    """Each candidate's per-layer throughputs with it, sorted (leximin), and its rank: by those,
+    then how many of its ends meet others', then the earlier start, then its place in the list
+    (the first of equals wins). A claim prices thousands of ranges, so they are scored at once."""
+
+    after: np.ndarray
+    rank: np.ndarray
+
+    @classmethod
+    def of(cls, records: list[PeerRecord], num_layers: int, me: Capacity, ranges: np.ndarray) -> "_Scores":
+        starts, ends = ranges[:, 0], ranges[:, 1]
+        added = np.array([me.throughput(span) for span in range(num_layers + 1)])[ends - starts]
+        layers = np.arange(num_layers)
+        inside = (layers >= starts[:, None]) & (layers < ends[:, None])
+        totals = np.array(layer_throughputs(records, num_layers))
+        after = np.sort(np.round(totals + inside * added[:, None], PRECISION), axis=1)
+        bounds = [0, num_layers, *(x for r in map(planned, records) if r.serving for x in (r.start, r.end))]
+        aligned = np.isin(starts, bounds).astype(int) + np.isin(ends, bounds)
+        keys = (-np.arange(len(ranges)), -starts, aligned, *after.T[::-1])  # the last key is compared first
+        rank = np.empty(len(ranges), dtype=np.int64)
+        rank[np.lexsort(keys)] = np.arange(len(ranges))
+        return cls(after, rank)
+
+    def best(self, among: np.ndarray | None = None) -> int:
+        among = np.arange(len(self.rank)) if among is None else among
+        return int(among[np.argmax(self.rank[among])])
 
 
 def choose_range(
     records: list[PeerRecord], num_layers: int, me: Capacity, near: Mapping[str, float] | None = None
 ) -> tuple[int, int]:
-    """The contiguous range that most raises what the swarm carries (its flow, dht/flow.py), then
-    its per-layer throughputs (leximin). Given `near` (this peer's round trips to other peers, by
-    peer id), the range that puts it on the shortest route for a client beside it
-    (peer/geography.py) wins over the best if the swarm's flow with it, and its sorted throughputs
-    each to each, come within GEO_SLACK of the best's: it serves every layer, and leaves no stage
-    weaker for the peers that join later."""
+    """The contiguous range that most raises the per-layer throughputs (leximin: the bottleneck,
+    what the swarm carries, first). Given `near` (this peer's round trips to other peers, by peer
+    id), the range that puts it on the shortest route for a client beside it (peer/geography.py)
+    wins over the best if its sorted throughputs come within GEO_SLACK of the best's, each to
+    each: it serves every layer, and leaves no stage weaker for the peers that join later."""
     if num_layers < 1 or me.max_layers < 1:
         raise ValueError("num_layers and max_layers must be positive")
-    totals = layer_throughputs(records, num_layers)
-    bounds = {0, num_layers} | {x for r in map(planned, records) if r.serving for x in (r.start, r.end)}
-    room = FlowRoom(records, num_layers)
-    rounded = _rounded(totals)
-    scores = {
-        ab: _score(totals, rounded, ab[0], ab[1], me.throughput(ab[1] - ab[0]), bounds, room)
-        for ab in _candidates(records, num_layers, me.max_layers)
-    }
-    best = max(scores, key=scores.__getitem__)
-    if not near:
-        return best
-    flow, floor = (1 - GEO_SLACK) * (room.flow + scores[best][0]), [(1 - GEO_SLACK) * t for t in scores[best][1]]
-    fair = [
-        ab for ab, score in scores.items()
-        if room.flow + score[0] >= flow and all(x >= y for x, y in zip(score[1], floor))
-    ]
-    trips = LocalTrips(records, num_layers, near)
-    trip = {ab: round(trips.trip(*ab), 6) for ab in fair}
-    shortest = min(trip.values())
-    return max((ab for ab in fair if trip[ab] == shortest), key=scores.__getitem__)
+    ranges = _candidates(records, num_layers, min(me.max_layers, num_layers))
+    scores = _Scores.of(records, num_layers, me, ranges)
+    best = scores.best()
+    if near:
+        fair = np.flatnonzero((scores.after >= (1 - GEO_SLACK) * scores.after[best]).all(axis=1))
+        trips = LocalTrips(records, num_layers, near)
+        trip = np.round([trips.trip(*ranges[i]) for i in fair], 6)
+        best = scores.best(fair[trip == trip.min()])
+    return int(ranges[best, 0]), int(ranges[best, 1])
 
 
 def with_peer(records: list[PeerRecord], peer_id: str, start: int, end: int, me: Capacity) -> list[PeerRecord]:
@@ -185,7 +196,7 @@ def backup_stage(records: list[PeerRecord], num_layers: int, me: PeerRecord, max
 @dataclass(frozen=True)
 class JoinPolicy:
     # Once routes cover every layer, a newcomer serves only if it raises what they carry (the
-    # swarm's flow) by this fraction or demand needs it; otherwise it keeps a stage warm. A
+    # bottleneck) by this fraction or demand needs it; otherwise it keeps a stage warm. A
     # duplicate range that adds little speed would only split traffic, where a backup makes a
     # stage survive its peer.
     min_gain: float = 0.5
@@ -198,15 +209,16 @@ def place_peer(
 ) -> Placement:
     """Serve where it helps most; when every layer already has enough throughput, keep a stage warm instead.
 
-    "Enough" means: routes cover every layer, this peer would raise what they carry (the swarm's
-    flow) by less than `policy.min_gain`, and no layer is busier than `policy.busy` of its capacity.
+    "Enough" means: routes cover every layer, this peer would raise what they carry (the
+    bottleneck) by less than `policy.min_gain`, and no layer is busier than `policy.busy` of its
+    capacity.
     """
     others = [r for r in records if r.peer_id != peer_id]
     start, end = choose_range(others, num_layers, me, near)
-    before = swarm_flow(others, num_layers)
+    before = bottleneck(others, num_layers)
     if before <= 0:
         return Placement(start, end)
-    gain = swarm_flow(with_peer(others, peer_id, start, end, me), num_layers) / before - 1
+    gain = bottleneck(with_peer(others, peer_id, start, end, me), num_layers) / before - 1
     if gain >= policy.min_gain or utilization(others, num_layers) >= policy.busy:
         return Placement(start, end)
     stage = stage_most_at_risk(others, num_layers, me.max_layers)

@@ -18,14 +18,13 @@ from collections.abc import Mapping
 from p2pfusion.dht.coverage import planned
 from p2pfusion.dht.records import PeerRecord
 
-ME = ""  # the joining peer, in the trips below
-
-
 class LocalTrips:
     """The round trip of the shortest route around the model for a client beside this peer, if it
     served [start, end) too (seconds; inf when no route covers every layer). Only peers this one
     measured, and itself, are stops: a client would not route through peers far enough to be
-    unknown. The stops are read from the records once, as a claim prices many ranges."""
+    unknown. A route may leave a stop at any layer it serves, where the next stop starts
+    (client/route/planner.py). A claim prices many ranges, so the trips through the other stops
+    are worked out once: into each stop from the client, and from each stop back to it."""
 
     def __init__(self, records: list[PeerRecord], num_layers: int, near: Mapping[str, float]):
         self.num_layers = num_layers
@@ -34,26 +33,40 @@ class LocalTrips:
         stops = [r for r in map(planned, records) if r.serving and r.peer_id in near and r.end <= num_layers]
         self.ranges = {r.peer_id: (r.start, r.end) for r in stops}
         self.by_id = {r.peer_id: r for r in stops}
+        order = sorted(self.ranges, key=self.ranges.__getitem__)
+        arrive: dict[str, float] = {}  # from the client into the stop's first layer
+        for peer in order:
+            first = self.ranges[peer][0]
+            before = [arrive[p] + self._hop(p, peer) for p in arrive if self._leads(p, first)]
+            if first == 0 or before:
+                arrive[peer] = near[peer] if first == 0 else min(before)
+        home: dict[str, float] = {}  # from entering the stop back to the client
+        for peer in reversed(order):
+            after = [self._hop(peer, q) + home[q] for q in home if self._leads(peer, self.ranges[q][0])]
+            if self.ranges[peer][1] == num_layers:
+                after.append(near[peer])
+            if after:
+                home[peer] = min(after)
+        self.without = min((arrive[p] + home[p] for p in arrive if p in home), default=math.inf)
+        # to this peer's first layer `s` (0 from the client beside it), and from a stop starting at y
+        self.into = [0.0] + [
+            min((t + near[p] for p, t in arrive.items() if self._leads(p, s)), default=math.inf)
+            for s in range(1, num_layers + 1)
+        ]
+        self.onward = [math.inf] * (num_layers + 1)
+        for q, t in home.items():
+            y = self.ranges[q][0]
+            self.onward[y] = min(self.onward[y], near[q] + t)
 
-    def _away(self, peer: str) -> float:  # from the client, who stands where this peer does
-        return 0.0 if peer == ME else self.near[peer]
+    def _leads(self, peer: str, boundary: int) -> bool:
+        """May a route leave `peer` at `boundary`?"""
+        start, end = self.ranges[peer]
+        return start < boundary <= end
 
     def _hop(self, a: str, b: str) -> float:
-        if ME in (a, b):
-            return self._away(b if a == ME else a)
         claimed = self.by_id[a].round_trip_with(self.by_id[b])
         return self.typical if claimed is None else claimed
 
     def trip(self, start: int, end: int) -> float:
-        ranges = self.ranges | {ME: (start, end)}
-        # the shortest trip from the client to the end of each stop's range, stops in order of their starts
-        arrive: dict[str, float] = {}
-        for peer in sorted(ranges, key=lambda p: ranges[p]):
-            first, _ = ranges[peer]
-            if first == 0:
-                arrive[peer] = self._away(peer)
-            else:
-                before = [arrive[p] + self._hop(p, peer) for p in arrive if ranges[p][1] == first]
-                if before:
-                    arrive[peer] = min(before)
-        return min((t + self._away(p) for p, t in arrive.items() if ranges[p][1] == self.num_layers), default=math.inf)
+        onward = 0.0 if end == self.num_layers else min(self.onward[start + 1:end + 1])
+        return min(self.without, self.into[start] + onward)

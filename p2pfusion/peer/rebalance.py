@@ -1,10 +1,9 @@
 """Should a serving peer move to other layers? A pure cost model over the DHT's records.
 
-Throughput here is what the swarm carries routed perfectly (dht/flow.py's maximum flow), not the
-weakest layer's sum: ranges that do not chain add to the one and not to the other. A move never
-lowers it, and never leaves a layer nobody else serves. It rises by the move, or, where many
-layers share the bottleneck and no single move can raise it, the move lifts some of them off it
-(the next move can then raise it). A move pays when that rise, over the time the peer is expected
+Throughput here is what the swarm carries routed perfectly: its weakest layer's summed throughput
+(peer/balance.py says why). A move never lowers it, and never leaves a layer nobody else serves.
+It rises by the move, or, where many layers share the bottleneck and no single move can raise it,
+the move lifts some of them off it (the next move can then raise it). A move pays when that rise, over the time the peer is expected
 to stay once the reload is done, exceeds what is lost while it reloads: the swarm's throughput,
 and without overlap the traffic the peer carries now. The reload time is the peer's own: it
 records how long its last load took per layer. The expected stay follows the peer's uptime so far
@@ -23,8 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from p2pfusion.dht.records import PeerRecord
-from p2pfusion.dht.flow import swarm_flow
-from p2pfusion.peer.balance import Capacity, choose_range, layer_throughputs, with_peer
+from p2pfusion.peer.balance import Capacity, bottleneck, choose_range, layer_throughputs, with_peer
 
 MIN_HORIZON = 60.0
 MAX_HORIZON = 3600.0
@@ -50,8 +48,8 @@ def plan_move(
     min_gain: float = 0.05,
     near: Mapping[str, float] | None = None,
 ) -> Move | None:
-    """The move to make, if any. `min_gain`: the least it must add to the flow, or to the weakest
-    layers while the flow stays (`_evened`), as a share of what this peer carries. `near`: this
+    """The move to make, if any. `min_gain`: the least it must add to the bottleneck, or to the
+    weakest layers while the bottleneck stays (`_evened`), as a share of what this peer carries. `near`: this
     peer's round trips to others (balance.choose_range)."""
     others = [r for r in records if r.peer_id != me.peer_id]
     target = choose_range(others, num_layers, capacity, near)
@@ -60,13 +58,13 @@ def plan_move(
     moved = with_peer(others, me.peer_id, *target, capacity)
     if _served(moved, num_layers) < _served(others + [me], num_layers):
         return None  # it would leave a layer nobody serves
-    now = swarm_flow(others + [me], num_layers)
-    after = swarm_flow(moved, num_layers)
+    now = bottleneck(others + [me], num_layers)
+    after = bottleneck(moved, num_layers)
     if after < now * (1 - 1e-9):
         return None  # what routes carry never drops
     gain = (float("inf") if after > 0 else 0.0) if now == 0 else after / now - 1
     # the least rise worth a move is a share of what this peer carries: a share of the swarm's
-    # flow that stops churn among 5 peers stops every move among 100
+    # throughput that stops churn among 5 peers stops every move among 100
     least = min_gain * me.throughput
     rise = after - now
     if rise < least:
@@ -75,7 +73,7 @@ def plan_move(
             return None
     overlap = me.span + (target[1] - target[0]) <= capacity.max_layers
     reload = reload_seconds_per_layer * (target[1] - target[0])
-    during = now if overlap else swarm_flow(others, num_layers)
+    during = now if overlap else bottleneck(others, num_layers)
     horizon = min(max(uptime, MIN_HORIZON), MAX_HORIZON)
     # the gain only starts once the new layers are loaded; a move that leaves a gap also stalls
     # the traffic this peer carries now, until its clients have moved
@@ -87,17 +85,16 @@ def plan_move(
 
 
 def _evened(before: list[float], after: list[float], least: float) -> float:
-    """How far a move raises the weakest layers when it leaves the flow as it is: the rise at the
-    first place where the sorted per-layer throughputs differ by more than `least`, when that is a
-    rise and the sum of their logarithms grows (else 0).
+    """How far a move raises the weakest layers when it leaves the bottleneck as it is: the rise at
+    the first place where the sorted per-layer throughputs differ by more than `least`, when that
+    is a rise and the sum of their logarithms grows (else 0).
 
-    Many layers share the bottleneck in a large swarm, so no single move raises the flow; lifting
-    one group of them off it lets the next move raise the flow (a hundred int8 volunteers went
-    from 0.90 to 0.94 of the LP bound with it, docs/benchmarks.md). Differences within `least`
+    Many layers share the bottleneck in a large swarm, so no single move raises it; lifting one
+    group of them off it lets the next move raise it (docs/benchmarks.md, Placement at scale). Differences within `least`
     are ties, else a move would have to lift every layer level with the bottleneck at once. The
     logarithms' sum, which every accepted move raises, rules out peers moving in a circle."""
     if min(before, default=0.0) <= 0:
-        return 0.0  # a gap: only the flow decides
+        return 0.0  # a gap: only the bottleneck decides
     rise = next((a - b for a, b in zip(sorted(after), sorted(before)) if abs(a - b) > least), 0.0)
     if rise <= 0 or sum(map(math.log, after)) <= sum(map(math.log, before)) + 1e-9:
         return 0.0

@@ -259,7 +259,7 @@ class Upkeep:
     async def _decided(self, decide, looks: int = 2):
         """What `decide` (a pure policy of fresh records) says, or None: with two looks, it must say
         so now and again after a jittered pause (another peer may have acted meanwhile). On a worker
-        thread: in a large swarm the flow bounds take tens of ms, which the loop relaying sessions'
+        thread: in a large swarm pricing every range takes tens of ms, which the loop relaying sessions'
         frames should not wait for."""
         for attempt in range(looks):
             records, _ = await self._snapshot()

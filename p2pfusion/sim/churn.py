@@ -10,9 +10,10 @@ The peers' timers are the peer's own (peer/runtime.py's options, peer/upkeep.py,
   gain, in `closing_rank` order); its record says where it goes (`moving_to`) while it loads;
 - every rebalance period, a backup takes up its stage if demand needs it, and a serving peer moves
   if the cost model says so.
-A move or a join takes RELOAD_SECONDS_PER_LAYER per layer. What the swarm carries is the maximum
-flow through the ranges its live peers have loaded and serve; `Timeline.gaps` times every stretch
-in which some layer had no live serving peer while the live fleet's memory could hold the model.
+A move or a join takes RELOAD_SECONDS_PER_LAYER per layer. What the swarm carries is its weakest
+layer's throughput, summed over the live peers that have loaded and serve it (the maximum flow,
+sim/optimum.py); `Timeline.gaps` times every stretch in which some layer had no live serving peer
+while the live fleet's memory could hold the model.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from p2pfusion.dht.flow import max_flow
 from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.validation import RECORD_TTL
 from p2pfusion.peer.backup import PROMOTION_STAGGER, promotion_rank, replaced, stage_servers
@@ -33,6 +33,7 @@ from p2pfusion.peer.rebalance import plan_move
 from p2pfusion.peer.runtime import PeerOptions
 from p2pfusion.peer.upkeep import GAP_STAGGER
 from p2pfusion.sim.fleet import Volunteer
+from p2pfusion.sim.optimum import carried
 from p2pfusion.sim.swarm import RELOAD_SECONDS_PER_LAYER, Swarm
 
 _PEER_DEFAULTS = {f.name: f.default for f in fields(PeerOptions)}
@@ -96,7 +97,7 @@ class Timeline:
 
     def flow(self) -> float:
         caps = self.swarm.volunteers
-        return max_flow([(a, b, caps[p].capacity.throughput(b - a)) for p, (a, b) in self.serving.items()], self.layers)
+        return carried([(a, b, caps[p].capacity.throughput(b - a)) for p, (a, b) in self.serving.items()], self.layers)
 
     def live_capacities(self):
         return [self.swarm.volunteers[p].capacity for p in sorted(self.alive)]

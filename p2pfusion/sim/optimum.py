@@ -1,11 +1,14 @@
 """A placement's pipeline throughput, and the best placement of a fleet.
 
 A placement gives each peer a contiguous range of layers (or none); what it carries, routed
-perfectly, is the maximum flow through the ranges (dht/flow.py).
+perfectly, is its weakest layer's summed throughput (`carried`: routes may leave a peer early, so
+that is the maximum flow through the ranges, peer/balance.py says why).
 
 The best placement (as Helix places models on heterogeneous GPUs, with a max-flow objective) is a
 mixed-integer program over the fleet's kinds of volunteer (same compute, link and memory): how
-many of each kind serve each range, and a flow through the ranges (`best_placement`, solved by
+many of each kind serve each range, and a flow through the ranges, each range's tokens going on
+from its end (a route that leaves a peer early is a placement on the shorter range, at least as
+fast) (`best_placement`, solved by
 HiGHS through scipy). With hundreds of volunteers of each kind, its linear relaxation is within a
 hair of it and solves in a second; the relaxation is an upper bound, so a ratio against it
 understates how close a placement comes. From below, `searched` improves a given placement one
@@ -18,15 +21,24 @@ import itertools
 import random
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
-from p2pfusion.dht.flow import max_flow
 from p2pfusion.dht.records import span_throughput
 from p2pfusion.peer.balance import Capacity
+
+
+def carried(edges: Iterable[tuple[int, int, float]], num_layers: int) -> float:
+    """What ranges of (start, end, tokens/s) carry together, routed perfectly."""
+    sums = [0.0] * num_layers
+    for a, b, rate in edges:
+        for layer in range(max(a, 0), min(b, num_layers)):
+            sums[layer] += rate
+    return min(sums, default=0.0)
 
 
 @dataclass(frozen=True)
@@ -96,7 +108,7 @@ def enumerated_best(capacities: list[Capacity], num_layers: int) -> float:
     best = 0.0
     for placement in itertools.product(*choices):
         edges = [(r[0], r[1], c.throughput(r[1] - r[0])) for r, c in zip(placement, capacities) if r is not None]
-        best = max(best, max_flow(edges, num_layers))
+        best = max(best, carried(edges, num_layers))
     return best
 
 
@@ -110,8 +122,8 @@ def searched(
     small the gain, at no reload cost), and what it reaches is a placement: a lower bound on the
     optimum, where the relaxation gives an upper one."""
     placed = {i: r for i, r in enumerate(ranges) if r is not None}
-    # max_flow is exact to a part in 2**30 of the rates' sum, which moves with every range: flows
-    # and sums are compared in coarser grains, so rounding noise never passes for a gain
+    # float sums drift with the order they are added in: they are compared in coarser grains, so
+    # rounding noise never passes for a gain
     grain = sum(capacities[i].throughput(1) for i in placed) / 2**20 or 1.0
 
     def score() -> tuple[int, list[int]]:
@@ -122,7 +134,7 @@ def searched(
             edges.append((a, b, rate))
             for layer in range(a, b):
                 sums[layer] += rate
-        return round(max_flow(edges, num_layers) / grain), sorted(round(s / grain) for s in sums)
+        return round(carried(edges, num_layers) / grain), sorted(round(s / grain) for s in sums)
 
     best = score()
     deadline = time.monotonic() + seconds
@@ -139,5 +151,5 @@ def searched(
             placed[i] = here
             if time.monotonic() >= deadline:
                 break
-    flow = max_flow([(a, b, capacities[i].throughput(b - a)) for i, (a, b) in placed.items()], num_layers)
+    flow = carried([(a, b, capacities[i].throughput(b - a)) for i, (a, b) in placed.items()], num_layers)
     return flow, [placed.get(i) for i in range(len(ranges))]
