@@ -7,10 +7,10 @@ that is the maximum flow through the ranges, peer/balance.py says why).
 The best placement (as Helix places models on heterogeneous GPUs, with a max-flow objective) is a
 mixed-integer program over the fleet's kinds of volunteer (same compute, link and memory): how
 many of each kind serve each range, and a flow through the ranges, each range's tokens going on
-from its end (a route that leaves a peer early is a placement on the shorter range, at least as
-fast) (`best_placement`, solved by
-HiGHS through scipy). With hundreds of volunteers of each kind, its linear relaxation is within a
-hair of it and solves in a second; the relaxation is an upper bound, so a ratio against it
+from its end (`best_placement`, solved by HiGHS through scipy). A route that leaves a peer early
+uses it as a share of a peer on the shorter range, at least as fast, so the relaxation bounds
+what routes carry too. With hundreds of volunteers of each kind, the relaxation is within a hair
+of the program and solves in a second; the relaxation is an upper bound, so a ratio against it
 understates how close a placement comes. From below, `searched` improves a given placement one
 peer's move at a time: the optimum lies between what it reaches and the relaxation.
 """
@@ -127,14 +127,13 @@ def searched(
     grain = sum(capacities[i].throughput(1) for i in placed) / 2**20 or 1.0
 
     def score() -> tuple[int, list[int]]:
+        """What the placement carries (its weakest layer), then its sorted layers, in grains."""
         sums = [0.0] * num_layers
-        edges = []
         for i, (a, b) in placed.items():
             rate = capacities[i].throughput(b - a)
-            edges.append((a, b, rate))
             for layer in range(a, b):
                 sums[layer] += rate
-        return round(carried(edges, num_layers) / grain), sorted(round(s / grain) for s in sums)
+        return round(min(sums) / grain), sorted(round(s / grain) for s in sums)
 
     best = score()
     deadline = time.monotonic() + seconds
