@@ -74,21 +74,20 @@ def bottleneck(records: Iterable[PeerRecord], num_layers: int) -> float:
     return min(layer_throughputs(records, num_layers), default=0.0)
 
 
-def _starts(records: list[PeerRecord], num_layers: int) -> set[int]:
-    """Layers where a hop may start: 0, and every layer a route can reach, where someone's range
-    ends or passes (a route may leave that peer there), the first layer of a gap included."""
-    covered = [t > 0 for t in layer_throughputs(records, num_layers)]
-    return {0} | {layer for layer in range(1, num_layers) if covered[layer - 1]}
+def _starts(totals: list[float]) -> set[int]:
+    """Layers where a hop may start, given each layer's throughput: 0, and every layer a route
+    can reach, where someone's range ends or passes (a route may leave that peer there), the first
+    layer of a gap included."""
+    return {0} | {layer for layer in range(1, len(totals)) if totals[layer - 1] > 0}
 
 
-def _candidates(records: list[PeerRecord], num_layers: int, max_layers: int) -> np.ndarray:
+def _candidates(totals: list[float], max_layers: int) -> np.ndarray:
     """Ranges (rows of start, end) that start where a hop may start and hold up to `max_layers`.
     They may end anywhere: a range that ends where nobody starts yet is where the next joiner
     starts (requiring ends that someone already starts at let early peers with much memory and
     little speed fix the stages for good: a simulated fleet then reached a tenth of its best
     placement)."""
-    starts = _starts(records, num_layers)
-    ranges = sorted({(a, min(a + k, num_layers)) for a in starts for k in range(1, max_layers + 1)})
+    ranges = sorted({(a, min(a + k, len(totals))) for a in _starts(totals) for k in range(1, max_layers + 1)})
     return np.array(ranges, dtype=np.int64).reshape(-1, 2)
 
 
@@ -102,13 +101,13 @@ class _Scores:
     rank: np.ndarray
 
     @classmethod
-    def of(cls, records: list[PeerRecord], num_layers: int, me: Capacity, ranges: np.ndarray) -> "_Scores":
+    def of(cls, records: list[PeerRecord], totals: list[float], me: Capacity, ranges: np.ndarray) -> "_Scores":
+        num_layers = len(totals)
         starts, ends = ranges[:, 0], ranges[:, 1]
         added = np.array([me.throughput(span) for span in range(num_layers + 1)])[ends - starts]
         layers = np.arange(num_layers)
         inside = (layers >= starts[:, None]) & (layers < ends[:, None])
-        totals = np.array(layer_throughputs(records, num_layers))
-        after = np.sort(np.round(totals + inside * added[:, None], PRECISION), axis=1)
+        after = np.sort(np.round(np.array(totals) + inside * added[:, None], PRECISION), axis=1)
         bounds = [0, num_layers, *(x for r in map(planned, records) if r.serving for x in (r.start, r.end))]
         aligned = np.isin(starts, bounds).astype(int) + np.isin(ends, bounds)
         keys = (-np.arange(len(ranges)), -starts, aligned, *after.T[::-1])  # the last key is compared first
@@ -131,8 +130,9 @@ def choose_range(
     each: it serves every layer, and leaves no stage weaker for the peers that join later."""
     if num_layers < 1 or me.max_layers < 1:
         raise ValueError("num_layers and max_layers must be positive")
-    ranges = _candidates(records, num_layers, min(me.max_layers, num_layers))
-    scores = _Scores.of(records, num_layers, me, ranges)
+    totals = layer_throughputs(records, num_layers)
+    ranges = _candidates(totals, min(me.max_layers, num_layers))
+    scores = _Scores.of(records, totals, me, ranges)
     best = scores.best()
     if near:
         fair = np.flatnonzero((scores.after >= (1 - GEO_SLACK) * scores.after[best]).all(axis=1))
