@@ -3,8 +3,8 @@
 Throughput here is what the swarm carries routed perfectly: its weakest layer's summed throughput
 (peer/balance.py says why). A move never lowers it, and never leaves a layer nobody else serves.
 It rises by the move, or, where many layers share the bottleneck and no single move can raise it,
-the move lifts some of them off it (the next move can then raise it). A move pays when that rise, over the time the peer is expected
-to stay once the reload is done, exceeds what is lost while it reloads: the swarm's throughput,
+the move lifts some of them off it (the next move can then raise it). A move pays when that rise,
+over the time the peer is expected to stay once the reload is done, exceeds what is lost while it reloads: the swarm's throughput,
 and without overlap the traffic the peer carries now. The reload time is the peer's own: it
 records how long its last load took per layer. The expected stay follows the peer's uptime so far
 (a peer up for an hour is likely to stay a while; one that just came may leave soon), within
@@ -49,17 +49,18 @@ def plan_move(
     near: Mapping[str, float] | None = None,
 ) -> Move | None:
     """The move to make, if any. `min_gain`: the least it must add to the bottleneck, or to the
-    weakest layers while the bottleneck stays (`_evened`), as a share of what this peer carries. `near`: this
-    peer's round trips to others (balance.choose_range)."""
+    weakest layers while the bottleneck stays (`_evened`), as a share of what this peer carries.
+    `near`: this peer's round trips to others (balance.choose_range)."""
     others = [r for r in records if r.peer_id != me.peer_id]
     target = choose_range(others, num_layers, capacity, near)
     if target == (me.start, me.end):
         return None
     moved = with_peer(others, me.peer_id, *target, capacity)
-    if _served(moved, num_layers) < _served(others + [me], num_layers):
+    # each layer's throughput now and after the move, summed once: a large swarm has many records
+    layers_now, layers_after = layer_throughputs(others + [me], num_layers), layer_throughputs(moved, num_layers)
+    if _served(layers_after) < _served(layers_now):
         return None  # it would leave a layer nobody serves
-    now = bottleneck(others + [me], num_layers)
-    after = bottleneck(moved, num_layers)
+    now, after = min(layers_now), min(layers_after)
     if after < now * (1 - 1e-9):
         return None  # what routes carry never drops
     gain = (float("inf") if after > 0 else 0.0) if now == 0 else after / now - 1
@@ -68,7 +69,7 @@ def plan_move(
     least = min_gain * me.throughput
     rise = after - now
     if rise < least:
-        rise = _evened(layer_throughputs(others + [me], num_layers), layer_throughputs(moved, num_layers), least)
+        rise = _evened(layers_now, layers_after, least)
         if rise <= 0:
             return None
     overlap = me.span + (target[1] - target[0]) <= capacity.max_layers
@@ -101,5 +102,5 @@ def _evened(before: list[float], after: list[float], least: float) -> float:
     return rise
 
 
-def _served(records: list[PeerRecord], num_layers: int) -> int:
-    return sum(t > 0 for t in layer_throughputs(records, num_layers))
+def _served(layers: list[float]) -> int:
+    return sum(t > 0 for t in layers)
