@@ -337,18 +337,23 @@ class Transport:
         """A stream to `protocol` on `peer_id`: direct when one of its first MAX_DIALED addresses
         answers as that peer within DIRECT_TIMEOUT, else through libp2p within `timeout`.
         PeerUnreachable, naming the peer, when neither path opens."""
+        missed = ""  # why the direct path failed, said once the libp2p one is known to work
         if data_addrs and self._direct_failed.get(peer_id, 0.0) < time.monotonic():
             addrs = data_addrs[:MAX_DIALED]
             try:
                 return await asyncio.wait_for(self._dial(peer_id, addrs, protocol), min(timeout, DIRECT_TIMEOUT))
             except DIRECT_ERRORS as exc:
-                log.info("no direct connection to %s at %s (%r); using libp2p", peer_id, ", ".join(addrs), exc)
+                missed = f"no direct connection at {', '.join(addrs)} ({exc!r})"
             self._direct_failed = {p: t for p, t in self._direct_failed.items() if t > time.monotonic()}
             self._direct_failed[peer_id] = time.monotonic() + DIRECT_RETRY
         try:
-            return await asyncio.wait_for(self._open_libp2p(peer_id, protocol), timeout)
+            stream = await asyncio.wait_for(self._open_libp2p(peer_id, protocol), timeout)
         except LIBP2P_ERRORS as exc:
-            raise PeerUnreachable(f"peer {peer_id} unreachable: {exc!r}", peer_id) from exc
+            why = f"{missed}; over libp2p: {exc!r}" if missed else repr(exc)
+            raise PeerUnreachable(f"peer {peer_id} unreachable: {why}", peer_id) from exc
+        if missed:
+            log.info("reached %s over libp2p: %s", peer_id, missed)
+        return stream
 
     async def _open_libp2p(self, peer_id: str, protocol: str) -> Stream:
         circuits = self.circuit_book.get(peer_id)
