@@ -7,6 +7,7 @@ shortens routes near it, when that costs the swarm's throughput next to nothing.
 import itertools
 import random
 
+import numpy as np
 import pytest
 import uvloop
 
@@ -120,18 +121,17 @@ def test_the_local_trip_goes_through_the_peers_this_one_measured():
     # a (0:10) and c (20:30) are beside the newcomer; b (10:20) is 100 ms from both them and it
     records = [rec(0, 10, name="a", links=[PeerLink("b", 0.1)]), rec(10, 20, name="b"), rec(20, 30, name="c", links=[PeerLink("b", 0.1)])]
     near = {"a": 0.001, "b": 0.1, "c": 0.001}
-    assert LocalTrips(records, 30, near).trip(10, 20) == pytest.approx(0.004)  # a -> here -> c
-    assert LocalTrips(records, 30, near).trip(0, 10) == pytest.approx(0.201)  # here -> b -> c -> client
+    trips = LocalTrips(records, 30, near).trips(np.array([[10, 20], [0, 10]]))
+    assert trips == pytest.approx([0.004, 0.201])  # a -> here -> c; here -> b -> c -> client
     assert choose_range(records, 30, Capacity(10.0, None, 10), near) == (10, 20)
-    assert LocalTrips(records[:2], 30, near).trip(0, 10) == float("inf")  # nobody serves 20:30
+    assert LocalTrips(records[:2], 30, near).trips(np.array([[0, 10]]))[0] == float("inf")  # nobody serves 20:30
 
 
 def test_a_local_trip_may_leave_a_stop_where_the_next_starts():
     records = [rec(0, 15, name="a"), rec(20, 30, name="c")]
-    trips = LocalTrips(records, 30, {"a": 0.001, "c": 0.002})
-    assert trips.trip(10, 20) == pytest.approx(0.006)  # a, left at 10 -> here -> c -> client
-    assert trips.trip(16, 20) == float("inf")  # no route reaches layer 16 but through a's 15
-    assert trips.trip(0, 20) == pytest.approx(0.004)  # here -> c -> client
+    # a, left at 10 -> here -> c -> client; no route reaches layer 16 but through a's 15; here -> c -> client
+    trips = LocalTrips(records, 30, {"a": 0.001, "c": 0.002}).trips(np.array([[10, 20], [16, 20], [0, 20]]))
+    assert trips == pytest.approx([0.006, float("inf"), 0.004])
 
 
 async def _measured(source):

@@ -9,12 +9,13 @@ import pytest
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_flow
 
+from p2pfusion.dht.records import PeerState
 from p2pfusion.peer.balance import Capacity, bottleneck, layer_throughputs
 from p2pfusion.sim.churn import Timeline
 from p2pfusion.sim.fleet import draw_fleet, newcomer
 from p2pfusion.sim.optimum import best_placement, carried, enumerated_best, searched
 from p2pfusion.sim.profiles import MODELS, ModelShape
-from p2pfusion.sim.swarm import built
+from p2pfusion.sim.swarm import built, fewest_hops
 from tests.policy_records import rec
 
 
@@ -84,6 +85,15 @@ def test_fleets_follow_the_profiles():
     holds = {v.device.name: v.capacity.max_layers for v in fleet}
     assert holds["A100 80GB"] == 80 and holds["RTX 3060 12GB"] == 12  # 0.86 GB a layer in int8
     assert 60 < sum(v.device.name.startswith("RTX 3060") for v in fleet) < 120  # 22 % of volunteers
+
+
+def test_the_fewest_hops_leave_a_peer_where_the_next_starts():
+    # 0:4 or 0:6 hands on at 4 to 4:10 (or at 3 to 3:10): one hop fewer than 0:4, 4:8, 8:10; a
+    # backup is no hop
+    records = [rec(0, 4), rec(4, 8), rec(8, 10), rec(0, 6), rec(4, 10), rec(3, 10), rec(0, 10, PeerState.BACKUP)]
+    assert fewest_hops(records, 10) == 2
+    assert fewest_hops([rec(0, 4), rec(5, 10)], 10) == 0
+    assert fewest_hops([rec(0, 12)], 10) == 1
 
 
 SMALL = ModelShape("small", 12, 0.856e9 * 80 / 12, 1.0, 8192)  # the 70B's bytes in 12 layers: few fit anywhere

@@ -87,8 +87,10 @@ def _candidates(totals: list[float], max_layers: int) -> np.ndarray:
     starts (requiring ends that someone already starts at let early peers with much memory and
     little speed fix the stages for good: a simulated fleet then reached a tenth of its best
     placement)."""
-    ranges = sorted({(a, min(a + k, len(totals))) for a in _starts(totals) for k in range(1, max_layers + 1)})
-    return np.array(ranges, dtype=np.int64).reshape(-1, 2)
+    starts = np.array(sorted(_starts(totals)), dtype=np.int64)[:, None]
+    ends = starts + np.arange(1, max_layers + 1)
+    inside = ends <= len(totals)
+    return np.column_stack([np.broadcast_to(starts, ends.shape)[inside], ends[inside]])
 
 
 @dataclass(frozen=True)
@@ -136,8 +138,7 @@ def choose_range(
     best = scores.best()
     if near:
         fair = np.flatnonzero((scores.after >= (1 - GEO_SLACK) * scores.after[best]).all(axis=1))
-        trips = LocalTrips(records, num_layers, near)
-        trip = np.round([trips.trip(*ranges[i]) for i in fair], 6)
+        trip = np.round(LocalTrips(records, num_layers, near).trips(ranges[fair]), 6)
         best = scores.best(fair[trip == trip.min()])
     return int(ranges[best, 0]), int(ranges[best, 1])
 

@@ -15,6 +15,8 @@ import math
 import statistics
 from collections.abc import Mapping
 
+import numpy as np
+
 from p2pfusion.dht.coverage import planned
 from p2pfusion.dht.records import PeerRecord
 
@@ -49,14 +51,19 @@ class LocalTrips:
                 home[peer] = min(after)
         self.without = min((arrive[p] + home[p] for p in arrive if p in home), default=math.inf)
         # to this peer's first layer `s` (0 from the client beside it), and from a stop starting at y
-        self.into = [0.0] + [
+        self.into = np.array([0.0] + [
             min((t + near[p] for p, t in arrive.items() if self._leads(p, s)), default=math.inf)
             for s in range(1, num_layers + 1)
-        ]
-        self.onward = [math.inf] * (num_layers + 1)
+        ])
+        onward = np.full(num_layers + 1, math.inf)  # home from a stop that starts at y
         for q, t in home.items():
             y = self.ranges[q][0]
-            self.onward[y] = min(self.onward[y], near[q] + t)
+            onward[y] = min(onward[y], near[q] + t)
+        # home from a claim of [s, e): the least onward trip from inside it, or its own at the end
+        self.home_from = np.full((num_layers + 1, num_layers + 1), math.inf)
+        for s in range(num_layers):
+            self.home_from[s, s + 1:] = np.minimum.accumulate(onward[s + 1:])
+        self.home_from[:, num_layers] = 0.0
 
     def _leads(self, peer: str, boundary: int) -> bool:
         """May a route leave `peer` at `boundary`?"""
@@ -67,6 +74,7 @@ class LocalTrips:
         claimed = self.by_id[a].round_trip_with(self.by_id[b])
         return self.typical if claimed is None else claimed
 
-    def trip(self, start: int, end: int) -> float:
-        onward = 0.0 if end == self.num_layers else min(self.onward[start + 1:end + 1])
-        return min(self.without, self.into[start] + onward)
+    def trips(self, ranges: np.ndarray) -> np.ndarray:
+        """The trip for each claim of `ranges` (rows of start, end), at once."""
+        starts, ends = ranges[:, 0], ranges[:, 1]
+        return np.minimum(self.without, self.into[starts] + self.home_from[starts, ends])

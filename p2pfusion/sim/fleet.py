@@ -24,7 +24,7 @@ def round_trip(a: int, b: int) -> float:
 class Volunteer:
     peer_id: str
     device: Device
-    link: Link
+    link: Link | None
     region: int
     capacity: Capacity
 
@@ -37,9 +37,17 @@ class Volunteer:
 
 def volunteer(peer_id: str, model: ModelShape, rng: random.Random) -> Volunteer:
     device = rng.choices(DEVICES, weights=[d.share for d in DEVICES])[0]
-    link = rng.choices(LINKS, weights=[link.share for link in LINKS])[0]
+    return equipped(peer_id, model, device, drawn_link(rng), rng.randrange(REGIONS))
+
+
+def drawn_link(rng: random.Random) -> Link:
+    return rng.choices(LINKS, weights=[link.share for link in LINKS])[0]
+
+
+def equipped(peer_id: str, model: ModelShape, device: Device, link: Link | None, region: int) -> Volunteer:
+    """A volunteer with this device and upload link (None: inside one server)."""
     capacity = Capacity(compute_rate(device, model), network_rate(link, model), min(max_layers(device, model), model.layers))
-    return Volunteer(peer_id, device, link, rng.randrange(REGIONS), capacity)
+    return Volunteer(peer_id, device, link, region, capacity)
 
 
 def newcomer(peer_id: str, model: ModelShape, rng: random.Random) -> Volunteer:

@@ -36,6 +36,11 @@ DEVICES = (
 )
 
 
+# Not a volunteer: the datacenter server of FusionAI's projection (scripts/sim_projection.py),
+# an H100 SXM (989 TFLOPS FP16 tensor, dense; 80 GB), four to a server joined by NVLink
+H100 = Device("H100 SXM 80GB", 80, 989, 0.0)
+
+
 @dataclass(frozen=True)
 class Link:
     name: str
@@ -71,9 +76,10 @@ def compute_rate(device: Device, model: ModelShape) -> float:
     return UTILIZATION * device.tflops * 1e12 / (2 * model.params_per_layer)
 
 
-def network_rate(link: Link, model: ModelShape) -> float:
-    """Tokens/s of hidden states the link sends out (PeerRecord.network_rate)."""
-    return link.mbit * 1e6 / 8 / (model.hidden * HIDDEN_BYTES)
+def network_rate(link: Link | None, model: ModelShape) -> float | None:
+    """Tokens/s of hidden states the link sends out (PeerRecord.network_rate); None for the
+    links inside one server, which never bound it."""
+    return None if link is None else link.mbit * 1e6 / 8 / (model.hidden * HIDDEN_BYTES)
 
 
 def max_layers(device: Device, model: ModelShape) -> int:

@@ -88,3 +88,21 @@ def built(fleet: list[Volunteer], model: ModelShape, rng: random.Random, geograp
     for volunteer in fleet:
         swarm.join(volunteer)
     return swarm
+
+
+def fewest_hops(records: list[PeerRecord], num_layers: int) -> int:
+    """The fewest peers a route through these records passes (0: none covers the model). A route
+    enters a peer at its first layer and may leave it where another peer starts, or at the end."""
+    serving = [r for r in records if r.serving]
+    starts = {r.start for r in serving}
+    reached, frontier, hops = {0}, {0}, 0
+    while num_layers not in reached:
+        if not frontier:
+            return 0
+        hops += 1
+        frontier = {
+            stop for r in serving if r.start in frontier
+            for stop in range(r.start + 1, min(r.end, num_layers) + 1) if stop in starts or stop == num_layers
+        } - reached
+        reached |= frontier
+    return hops
