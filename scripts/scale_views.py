@@ -86,7 +86,8 @@ async def dashboard(fleet, source, serving: set[str], screenshot: Path | None) -
         if screenshot is not None:
             await asyncio.to_thread(_screenshot, url, screenshot, len(listed))
     finally:
-        api.terminate()
+        if api.returncode is None:
+            api.terminate()
         await api.wait()
 
 

@@ -13,9 +13,10 @@ For the volunteers:
 - swarm: what the real policies place (joins, then rebalancing: sim/swarm.py), routed perfectly.
 Where the rest goes: from peak to links, hidden states a volunteer cannot send fast enough; from
 links to swarm, placement, of which the slowest stage (the weakest layer against the mean layer)
-is the imbalance. Memory per peer costs hops, not throughput (a peer's compute is shared by the
-layers it holds): the table gives the layers a volunteer holds and the fewest hops of a route
-through the settled swarm, against the server's.
+is the imbalance. Memory per peer costs hops, and throughput only through the links (a peer's
+work is the lesser of its compute and the layers it holds times its upload rate): the table gives
+the layers a volunteer holds and the fewest hops of a route through the settled swarm, against
+the server's.
 Usage: python scripts/sim_projection.py [--peers 50] [--servers 4] [--seeds 10] [--models llama-70b-int8,llama-70b-int4]
 """
 
@@ -86,7 +87,7 @@ def main() -> None:
             lines.append(
                 f"| {name} | {links} | {peak:.2f} | {_spread([r.links for r in results])} | "
                 f"{_spread([r.swarm for r in results])} | {_spread([r.slowest for r in results])} | "
-                f"{fleet_layers(model)}, {_spread([r.hops for r in results], '.1f')} | {held}, {-(-model.layers // held)} |"
+                f"{_card_layers(model)}, {_spread([r.hops for r in results], '.1f')} | {held}, {-(-model.layers // held)} |"
             )
             summary.append(f"{name} {links} {statistics.mean(r.swarm for r in results):.2f}")
     print("| model | volunteers' links | peak | links: best placement | the swarm's placement | "
@@ -97,7 +98,7 @@ def main() -> None:
           + ", ".join(summary) + " of the server's throughput")
 
 
-def fleet_layers(model: ModelShape) -> int:
+def _card_layers(model: ModelShape) -> int:
     return equipped("", model, RTX_3080, None, 0).capacity.max_layers
 
 

@@ -16,6 +16,7 @@ import uvloop
 from p2pfusion import __version__
 from p2pfusion.cli.main import build_parser
 from p2pfusion.client.tune.adapter import Adapter, TuningConfig
+from p2pfusion.dht.swarm import join_swarm
 from tests.conftest import reference_model
 from tests.forked_cli import forked
 from tests.swarm import peers_in_background, running_peers
@@ -49,10 +50,12 @@ def run(*args: str) -> tuple[int, str]:
 
 
 
-def cases(tiny: dict, tmp: Path, taken_port: int, live: str) -> dict[str, tuple[list[str], tuple[str, ...]]]:
+def cases(tiny: dict, tmp: Path, taken_port: int, live: str, empty: str) -> dict[str, tuple[list[str], tuple[str, ...]]]:
     """Each bad command line the CLI must end with one error line: its arguments, and what the line
     says. `live`: a peer that answers, for mistakes found once the swarm is joined (a client joins
-    while its model loads, so an unreachable swarm is said first)."""
+    while its model loads, so an unreachable swarm is said first); `empty`: a swarm's node where no
+    peer serves (an empty model list proves nothing early, as a read that timed out gives one too:
+    the reads of the model's records say it)."""
     llama = str(tiny["llama"].folder)
     (tmp / "broken.gguf").write_bytes(b"not a gguf file at all")
     (tmp / "gpt2").mkdir()
@@ -78,6 +81,9 @@ def cases(tiny: dict, tmp: Path, taken_port: int, live: str) -> dict[str, tuple[
             ["run-peer", "--model", llama, "--new-swarm", "--train", "r", "--quant", "int8"], ("--train trains float32 weights",),
         ),
         "unreachable initial peer": ([*infer, "hi"], ("no initial peer is reachable",)),
+        "a swarm that serves nothing": (
+            ["infer", "--model", llama, "--initial-peers", empty, "hi"], ("no model with the weights of", "no model at all"),
+        ),
         "empty prompt": ([*infer, "   "], ("prompt is empty",)),
         "unavailable gpu": (["run-peer", "--model", llama, "--new-swarm", "--gpu", "0"], ("not available",)),
         "missing adapter": (
@@ -102,19 +108,24 @@ def outcomes(tiny_models, tmp_path_factory) -> dict[str, tuple[tuple[int, str], 
     """Every case's CLI process, forked from one that has imported the CLI (tests/forked_cli.py)."""
     import socket
 
-    with socket.socket() as taken, peers_in_background(tiny_models["llama"], [(0, 4)]) as (_, maddrs, _):
+    with socket.socket() as taken, peers_in_background(tiny_models["llama"], [(0, 4)]) as (_, maddrs, loop):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        table = cases(tiny_models, tmp_path_factory.mktemp("cli-errors"), taken.getsockname()[1], maddrs[0])
-        assert list(table) == CASE_NAMES  # every case is a test of its own
-        results = forked([args for args, _ in table.values()])
+        lone = loop.run(join_swarm([]))
+        try:
+            table = cases(tiny_models, tmp_path_factory.mktemp("cli-errors"), taken.getsockname()[1], maddrs[0],
+                          loop.run(lone.maddrs())[0])
+            assert list(table) == CASE_NAMES  # every case is a test of its own
+            results = forked([args for args, _ in table.values()])
+        finally:
+            loop.run(lone.shutdown())
     return {name: ((r.returncode, r.stderr), needles) for (name, (_, needles)), r in zip(table.items(), results)}
 
 
 CASE_NAMES = [
     "missing model path", "unreadable gguf", "unsupported architecture", "layers out of bounds", "empty layer range",
     "bad initial peer", "data port in use", "client compression", "peer compression", "training a quantized peer",
-    "unreachable initial peer",
+    "unreachable initial peer", "a swarm that serves nothing",
     "empty prompt", "unavailable gpu", "missing adapter", "adapter of another model",
     "layers with two models", "too little memory",
 ]

@@ -272,16 +272,18 @@ async def connect(
 
 
 async def _served(joining: asyncio.Future[SwarmNode], model: str | Path | None) -> None:
-    """A RouteError as soon as the swarm's model list shows that it cannot serve `model`: no listed
-    model has its shape, so none has its weights. Said while the model loads, since a first run's
-    conversion and hashing take tens of seconds; the loaded model's key decides the rest."""
+    """A RouteError as soon as the swarm's model list shows that it cannot serve `model`: models
+    are listed and none has its shape, so none has its weights. Said while the model loads, since a
+    first run's conversion and hashing take tens of seconds; the loaded model's key decides the rest."""
     swarm = await asyncio.shield(joining)
     shape = await asyncio.to_thread(model_shape, None if model is None else str(model))
     if shape is None:  # a Hub id: nothing to compare before it is downloaded
         return
     name, layers, hidden = shape
     listed = await swarm.models()
-    if not any((e.num_layers, e.hidden_size) == (layers, hidden) for e in listed):
+    # an empty list may be a read that timed out (a saturated 60-node swarm): the records' reads,
+    # patient with a slow DHT (client/route/catalog.py), decide then
+    if listed and not any((e.num_layers, e.hidden_size) == (layers, hidden) for e in listed):
         raise RouteError(
             f"the swarm serves no model like {name} ({layers} layers, hidden size {hidden}); it serves: {describe(listed)}"
         )
