@@ -33,7 +33,7 @@ from tqdm import tqdm
 from p2pfusion.dht.coverage import layer_throughputs
 from p2pfusion.sim.fleet import REGIONS, Volunteer, drawn_link, equipped
 from p2pfusion.sim.optimum import best_placement
-from p2pfusion.sim.profiles import DEVICES, H100, LINKS, MODELS, ModelShape
+from p2pfusion.sim.profiles import DEVICES, H100, LINKS, MODELS, ModelShape, max_layers
 from p2pfusion.sim.swarm import built, fewest_hops
 
 RTX_3080 = next(d for d in DEVICES if d.name.startswith("RTX 3080"))
@@ -79,7 +79,7 @@ def main() -> None:
         model = MODELS[name]
         servers = [equipped(f"h{i}", model, H100, None, 0).capacity for i in range(args.servers)]
         server = best_placement(servers, model.layers).found
-        held = servers[0].max_layers
+        held = min(max_layers(H100, model), model.layers)
         for fibre in (False, True):
             links = "fibre for all" if fibre else "home links"
             results = [one_fleet(args.peers, model, s, fibre, server)
@@ -87,7 +87,7 @@ def main() -> None:
             lines.append(
                 f"| {name} | {links} | {peak:.2f} | {_spread([r.links for r in results])} | "
                 f"{_spread([r.swarm for r in results])} | {_spread([r.slowest for r in results])} | "
-                f"{_card_layers(model)}, {_spread([r.hops for r in results], '.1f')} | {held}, {-(-model.layers // held)} |"
+                f"{max_layers(RTX_3080, model)}, {_spread([r.hops for r in results], '.1f')} | {held}, {-(-model.layers // held)} |"
             )
             summary.append(f"{name} {links} {statistics.mean(r.swarm for r in results):.2f}")
     print("| model | volunteers' links | peak | links: best placement | the swarm's placement | "
@@ -96,10 +96,6 @@ def main() -> None:
     print("\n".join(lines))
     print(f"{args.peers} RTX 3080s against {args.servers} H100s, {args.seeds} seeds: the swarm carries "
           + ", ".join(summary) + " of the server's throughput")
-
-
-def _card_layers(model: ModelShape) -> int:
-    return equipped("", model, RTX_3080, None, 0).capacity.max_layers
 
 
 def _spread(values: list[float], fmt: str = ".3f") -> str:
