@@ -58,6 +58,8 @@ class Seed:
     exact: bool  # the optimum is the integer program's (else its relaxation's bound)
     searched: float | None = None  # what a central search reached from the settled placement, the same way
     churned: list[float] = field(default_factory=list)  # sampled over the churn trace
+    ranges: list[int] = field(default_factory=list)  # distinct ranges served, at each sample
+    loading: list[int] = field(default_factory=list)  # peers loading layers (joins, moves), at each sample
     gaps: list[float] = field(default_factory=list)  # seconds some layer went unserved, each time
 
 
@@ -85,6 +87,8 @@ def one_seed(
 
         def sample(t: Timeline) -> None:
             result.churned.append(t.flow() / best_placement(t.live_capacities(), model.layers, relax=True).bound)
+            result.ranges.append(len(set(t.serving.values())))
+            result.loading.append(len(t.busy))
 
         timeline.run_until(churn_hours * 3600, CHURN_SAMPLE, sample)
         result.gaps = timeline.gaps
@@ -127,7 +131,9 @@ def report_churn(name: str, results: list[Seed], hours: float) -> None:
     print(f"{name}, over {hours:g} h of churn (sessions: median {SESSION_MEDIAN / 3600:g} h), against the live "
           f"fleet's LP bound every {CHURN_SAMPLE / 60:.0f} min: mean {statistics.mean(means):.3f} (worst seed's mean "
           f"{min(means):.3f}, lowest sample {min(lows):.3f}); a layer unserved {len(gaps)} times, longest "
-          f"{max(gaps, default=0.0):.0f} s, {sum(gaps) / len(results):.0f} s per seed in all")
+          f"{max(gaps, default=0.0):.0f} s, {sum(gaps) / len(results):.0f} s per seed in all; on average "
+          f"{statistics.mean(n for r in results for n in r.ranges):.1f} distinct ranges served and "
+          f"{statistics.mean(n for r in results for n in r.loading):.1f} peers loading layers")
 
 
 def main() -> None:
