@@ -17,7 +17,8 @@ With --search-seconds, a central search then moves one peer at a time from the s
 placement no worse than the swarm's, so a lower bound on the optimum beside the LP's upper one.
 With --churn-hours, each settled swarm then lives through that many simulated hours of crashes and
 arrivals (p2pfusion/sim/churn.py): its flow against the live fleet's LP bound every 10 minutes,
-and every stretch in which a layer went unserved.
+every stretch in which a layer went unserved, and how many distinct ranges are served and how many
+peers load layers, on average.
 Each seed's figures go to stderr as it ends (a seed of 1,000 peers takes minutes), beside a
 progress bar; --first-seed starts the seeds further on, to add seeds to an earlier run's, and
 --jobs simulates that many seeds at once, a process each.
