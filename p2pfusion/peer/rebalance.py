@@ -4,11 +4,11 @@ Throughput here is what the swarm carries routed perfectly: its weakest layer's 
 (peer/balance.py says why). A move never lowers it, and never leaves a layer nobody else serves.
 It rises by the move, or, where many layers share the bottleneck and no single move can raise it,
 the move lifts some of them off it (the next move can then raise it). A move pays when that rise,
-over the time the peer is expected to stay once the reload is done, exceeds what is lost while it reloads: the swarm's throughput,
-and without overlap the traffic the peer carries now. The reload time is the peer's own: it
-records how long its last load took per layer. The expected stay follows the peer's uptime so far
-(a peer up for an hour is likely to stay a while; one that just came may leave soon), within
-bounds.
+over the time the peer is expected to stay once the reload is done, exceeds what is lost while it
+reloads: the swarm's throughput, and without overlap the traffic the peer carries now. The reload
+time is the peer's own: it records how long its last load took per layer. The expected stay
+follows the peer's uptime so far (a peer up for an hour is likely to stay a while; one that just
+came may leave soon), within bounds.
 
 Unlike a fixed-ratio rule, this never moves to the range the peer already serves, and it counts
 the loss only where the move leaves a gap: when memory holds both ranges, the peer loads the new
