@@ -8,18 +8,18 @@ import subprocess
 import time
 from pathlib import Path
 
-from tests.test_cli_errors import CLI
+from p2pfusion.cli.forkserver import ForkedProcess, ForkServer
 
 READY_WITHIN = 120.0
 
 
-def launch_api(args: list[str], log: Path) -> subprocess.Popen:
+def launch_api(args: list[str], log: Path, forks: ForkServer) -> ForkedProcess:
     """`p2pfusion api ARGS --port 0`, its stderr in `log`."""
     with open(log, "w") as err:
-        return subprocess.Popen([*CLI, "api", *args, "--port", "0"], stdout=subprocess.DEVNULL, stderr=err)
+        return forks.popen(["api", *args, "--port", "0"], stdout=subprocess.DEVNULL, stderr=err)
 
 
-def api_url(proc: subprocess.Popen, log: Path) -> str:
+def api_url(proc: ForkedProcess, log: Path) -> str:
     """The API's base URL (without `/v1`), once it serves: it logs the URL then."""
     deadline = time.monotonic() + READY_WITHIN
     while time.monotonic() < deadline:

@@ -14,6 +14,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from p2pfusion.cli.forkserver import ForkServer
 from p2pfusion.models.source import ModelSource, resolve_model
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -47,6 +48,15 @@ def tiny_models(tmp_path_factory) -> dict[str, ModelSource]:
         model.save_pretrained(folder)
         sources[family] = resolve_model(str(folder))
     return sources
+
+
+@pytest.fixture(scope="session")
+def forks():
+    """The fork server that tests' peer and API processes start from: each such process would
+    otherwise spend seconds of CPU importing torch and transformers (cli/forkserver.py)."""
+    server = ForkServer()
+    yield server
+    server.close()
 
 
 @pytest.fixture(scope="session")

@@ -89,18 +89,18 @@ class Swarm:
 
 
 @pytest.fixture(scope="module")
-def swarm(tmp_path_factory):
+def swarm(tmp_path_factory, forks):
     """Model B's peer starts the swarm in this process (a moment, torch being loaded here already),
     so that A's peer processes and A's API process, which take seconds each to start, all start at once."""
     root = tmp_path_factory.mktemp("api")
     a, b = _chat_model(root / "tiny-chat-a", 0), _chat_model(root / "tiny-chat-b", 1)
     with peers_in_background(b, [(0, 2)]) as (_, maddrs, loop):
-        peers = LocalSwarm(model=str(a.folder), maddrs=list(maddrs))
+        peers = LocalSwarm(model=str(a.folder), maddrs=list(maddrs), forks=forks)
         api_log = root / "api.log"
         api = None
         try:
             started = [peers.launch((0, 2), PEER_OPTIONS), peers.launch((2, 4), PEER_OPTIONS)]
-            api = launch_api(["--initial-peers", maddrs[0], "--model", str(a.folder)], api_log)
+            api = launch_api(["--initial-peers", maddrs[0], "--model", str(a.folder)], api_log, forks)
             lm = loop.run(SwarmLM.connect(maddrs, b, verify=0.0))
             http, task, gap_url = loop.run(_serve_in_process(lm, KEY))
             try:

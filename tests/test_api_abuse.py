@@ -56,7 +56,7 @@ class APIs:
 
 
 @pytest.fixture(scope="module")
-def apis(tmp_path_factory):
+def apis(tmp_path_factory, forks):
     root = tmp_path_factory.mktemp("abuse")
     source = _chat_model(root / "tiny-chat", 0)
     with peers_in_background(source, [(0, 4)], session_limit=POSITIONS) as ([peer], maddrs, _loop):
@@ -64,8 +64,8 @@ def apis(tmp_path_factory):
         logs = [root / "open.log", root / "keyed.log"]
         started = [
             launch_api([*common, "--host", "0.0.0.0", "--requests-per-user", "2", "--max-body", "0.0625",
-                        "--allowed-hosts", "chat.example"], logs[0]),
-            launch_api([*common, "--api-key", KEYS[0], "--api-key", KEYS[1], "--requests-per-user", "1"], logs[1]),
+                        "--allowed-hosts", "chat.example"], logs[0], forks),
+            launch_api([*common, "--api-key", KEYS[0], "--api-key", KEYS[1], "--requests-per-user", "1"], logs[1], forks),
         ]
         try:
             urls = [api_url(proc, log) for proc, log in zip(started, logs)]

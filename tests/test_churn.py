@@ -79,12 +79,12 @@ def _family(proc) -> list[int]:
     return [proc.pid, *map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())]
 
 
-def _kill_middle_during_generation(source, with_backup: bool, freeze: bool = False):
+def _kill_middle_during_generation(source, forks, with_backup: bool, freeze: bool = False):
     """Kill (or, `freeze`, SIGSTOP with its daemon: a host suspended, its connections open) the
     middle stage's peer KILL_AT tokens in; returns the prompt, the result, the peers' states, the
     replacement's state, and the longest gap between two tokens."""
     ids = list(range(3, 19))
-    with LocalSwarm(model=str(source.folder)) as swarm:
+    with LocalSwarm(model=str(source.folder), forks=forks) as swarm:
         first = swarm.launch((0, 1), FIXED)
         swarm.wait_ready(first)
         middle, last = swarm.launch(MIDDLE, FIXED), swarm.launch((3, 4), FIXED)
@@ -121,25 +121,25 @@ def _kill_middle_during_generation(source, with_backup: bool, freeze: bool = Fal
     return ids, result, states, states[replacement], max(b - a for a, b in zip(stamps, stamps[1:]))
 
 
-def test_kill_middle_peer_with_backup_gives_identical_tokens(llama):
-    ids, result, _, replacement, _ = _kill_middle_during_generation(llama, with_backup=True)
+def test_kill_middle_peer_with_backup_gives_identical_tokens(llama, forks):
+    ids, result, _, replacement, _ = _kill_middle_during_generation(llama, forks, with_backup=True)
     assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
     assert result.recoveries >= 1
     assert replacement == (*MIDDLE, "online")  # the backup promoted itself
 
 
-def test_a_frozen_middle_peer_is_found_by_a_ping_not_waited_out(llama):
+def test_a_frozen_middle_peer_is_found_by_a_ping_not_waited_out(llama, forks):
     """Its connections stay open and nothing answers: the client pings the route's hops once a
     step runs long, blames the one that is silent, and moves to the backup well before the step's
     timeout (which, naming no peer, used to send the next route through the frozen peer again)."""
-    ids, result, _, replacement, gap = _kill_middle_during_generation(llama, with_backup=True, freeze=True)
+    ids, result, _, replacement, gap = _kill_middle_during_generation(llama, forks, with_backup=True, freeze=True)
     assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
     assert result.recoveries >= 1 and replacement == (*MIDDLE, "online")
     assert gap < MIN_STEP_TIMEOUT, gap
 
 
-def test_kill_middle_peer_without_backup_newcomer_fills_the_gap(llama):
-    ids, result, states, replacement, _ = _kill_middle_during_generation(llama, with_backup=False)
+def test_kill_middle_peer_without_backup_newcomer_fills_the_gap(llama, forks):
+    ids, result, states, replacement, _ = _kill_middle_during_generation(llama, forks, with_backup=False)
     assert result.token_ids == _reference(llama, ids) and len(result.token_ids) == 32
     assert replacement == (*MIDDLE, "online")  # the newcomer took exactly the killed peer's layers
     assert (0, 1, "online") in states.values()

@@ -238,12 +238,12 @@ def test_bad_input_gets_clear_errors(tiny_models, tmp_path):
             model.close()
 
 
-def test_a_peer_dying_mid_step_costs_a_retry_not_the_result(tiny_models):
+def test_a_peer_dying_mid_step_costs_a_retry_not_the_result(tiny_models, forks):
     """The middle peer is killed (SIGKILL) between a step's forward and backward passes: the step is
     retried on a route through a warm backup, with the loss and gradients of an undisturbed step."""
     source = tiny_models["llama"]
     fixed = ["--throughput", "100"]
-    with LocalSwarm(model=str(source.folder)) as swarm:
+    with LocalSwarm(model=str(source.folder), forks=forks) as swarm:
         first = swarm.launch((0, 2), fixed)
         swarm.wait_ready(first)
         middle, last, backup = swarm.launch((2, 3), fixed), swarm.launch((3, 4), fixed), swarm.launch((2, 3), [*fixed, "--backup"])

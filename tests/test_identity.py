@@ -43,7 +43,7 @@ def _mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_a_killed_peer_comes_back_as_itself_and_the_swarm_outlives_its_bootstrap_peer(tiny_models, tmp_path):
+def test_a_killed_peer_comes_back_as_itself_and_the_swarm_outlives_its_bootstrap_peer(tiny_models, tmp_path, forks):
     """A volunteer killed without a goodbye restarts with its id, certificate, address and layers.
     A long-lived bootstrap peer (fixed ports, kept identity) goes down: peers and clients that list
     several initial peers join through any one that answers, and it comes back at its address."""
@@ -52,7 +52,7 @@ def test_a_killed_peer_comes_back_as_itself_and_the_swarm_outlives_its_bootstrap
     args = [*FIXED, "--identity", str(key), "--max-layers", "2"]
     boot_args = [*FIXED, "--identity", str(tmp_path / "boot.key"), "--port", str(free_port("127.0.0.1")), "--data-port", str(free_port("127.0.0.1"))]
     ids = [3, 17, 42, 99]
-    with LocalSwarm(model=str(source.folder)) as swarm:
+    with LocalSwarm(model=str(source.folder), forks=forks) as swarm:
         boot = swarm.launch((0, 2), boot_args)
         boot_maddr = swarm.wait_ready(boot)[0]
         first = swarm.launch(None, args)

@@ -39,7 +39,7 @@ def test_peers_claim_layers_by_memory_and_serve_a_model_none_could_hold(big_mode
     weights = sum(f.stat().st_size for f in big_model.glob("*.safetensors"))
     assert weights > BUDGET * GIB  # no peer could hold it
     options = ["--max-memory", str(BUDGET), "--throughput", "100", "--session-limit", "64"]
-    with LocalSwarm(model=str(big_model)) as swarm:
+    with LocalSwarm(model=str(big_model), fork=False) as swarm:
         swarm.wait_ready(swarm.launch(None, options), timeout=120)
         for proc in [swarm.launch(None, options) for _ in range(PEERS - 1)]:
             swarm.wait_ready(proc, timeout=120)
@@ -79,7 +79,7 @@ def test_an_int8_peer_stays_in_its_budget_while_it_serves(big_model):
     # 256 MiB) and the process; not the float32 weights (1.5 GiB)
     budget = 1.4
     options = ["--max-memory", str(budget), "--quant", "int8", "--throughput", "100", "--session-limit", "64"]
-    with LocalSwarm(model=str(big_model)) as swarm:
+    with LocalSwarm(model=str(big_model), fork=False) as swarm:
         proc = swarm.launch(None, options)
         swarm.wait_ready(proc, timeout=120)
         log = (swarm.workdir / "peer0.log").read_text()

@@ -20,9 +20,9 @@ async def _states(maddrs, model):
         await client.shutdown()
 
 
-def test_layer_claim_and_sigterm_announce_offline(tiny_models):
+def test_layer_claim_and_sigterm_announce_offline(tiny_models, forks):
     source = tiny_models["qwen2"]
-    with LocalSwarm(model=str(source.folder)) as swarm:
+    with LocalSwarm(model=str(source.folder), forks=forks) as swarm:
         swarm.start([(0, 2)])
         # without --layers, the joining peer takes the layers nobody serves
         second = swarm.launch(None, ["--max-layers", "2"])

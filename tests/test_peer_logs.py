@@ -36,9 +36,9 @@ uvloop.run(main())
 
 
 @pytest.mark.slow  # three processes start: two peers and the client
-def test_a_client_that_dies_mid_session_is_one_info_line(tiny_models):
+def test_a_client_that_dies_mid_session_is_one_info_line(tiny_models, forks):
     folder = str(tiny_models["llama"].folder)
-    with LocalSwarm(model=folder) as swarm:
+    with LocalSwarm(model=folder, forks=forks) as swarm:
         first = swarm.launch((0, 2), ["--throughput", "100"])
         swarm.wait_ready(first)
         swarm.wait_ready(swarm.launch((2, 4), ["--throughput", "100"]))

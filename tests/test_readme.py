@@ -20,14 +20,14 @@ def python_blocks() -> list[str]:
 
 
 @pytest.mark.slow
-def test_readme_python_snippets_run(default_model, tmp_path):
+def test_readme_python_snippets_run(default_model, tmp_path, forks):
     blocks = python_blocks()
     assert blocks
-    with LocalSwarm(model=None) as swarm:
+    with LocalSwarm(model=None, forks=forks) as swarm:
         swarm.start(even_ranges(30, 3))
         # the README's first peer writes its addresses with `--address-file peer1.addr`
         shutil.copy(swarm.workdir / "peer0.addr", tmp_path / "peer1.addr")
-        api = launch_api(["--initial-peers", swarm.maddrs[0]], tmp_path / "api.log")
+        api = launch_api(["--initial-peers", swarm.maddrs[0]], tmp_path / "api.log", forks)
         try:
             url = api_url(api, tmp_path / "api.log")
             for i, block in enumerate(blocks):

@@ -54,19 +54,19 @@ def _get(url: str, key: str | None = KEY) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def site(tiny_models, tmp_path_factory):
+def site(tiny_models, tmp_path_factory, forks):
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: the web page's tests drive Debian's chromium (`make setup` installs it)")
     from playwright.sync_api import sync_playwright
 
     work = tmp_path_factory.mktemp("web")
     source = with_chat_tokenizer(tiny_models["llama"], work / "tiny-chat")
-    with LocalSwarm(model=str(source.folder)) as swarm:
+    with LocalSwarm(model=str(source.folder), forks=forks) as swarm:
         first = swarm.launch((0, 2), PEER_OPTIONS)
         swarm.wait_ready(first)
         second = swarm.launch((2, 4), PEER_OPTIONS)
         log = work / "api.log"  # the API loads its model while the second peer loads its layers
-        api = launch_api(["--model", str(source.folder), "--initial-peers", swarm.maddrs[0], "--api-key", KEY], log)
+        api = launch_api(["--model", str(source.folder), "--initial-peers", swarm.maddrs[0], "--api-key", KEY], log, forks)
         try:
             second_maddrs = swarm.wait_ready(second)
             url = api_url(api, log)

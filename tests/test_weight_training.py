@@ -107,10 +107,10 @@ def test_an_outer_step_with_two_replicas_is_the_hand_computed_average(tiny_model
             assert trainer.step(BATCHES[0]) > 0
 
 
-def test_a_replica_killed_mid_window_is_left_out_and_a_joiner_gets_the_current_weights(tiny_models):
+def test_a_replica_killed_mid_window_is_left_out_and_a_joiner_gets_the_current_weights(tiny_models, forks):
     source = tiny_models["llama"]
     fixed = ["--throughput", "100", "--train", "churn"]
-    with LocalSwarm(model=str(source.folder)) as swarm:
+    with LocalSwarm(model=str(source.folder), forks=forks) as swarm:
         first = swarm.launch((0, 2), fixed)
         swarm.wait_ready(first)
         doomed, last = swarm.launch((0, 2), fixed), swarm.launch((2, 4), fixed)

@@ -1,4 +1,7 @@
-"""Start a swarm of real peer processes on 127.0.0.1 (the demo, tests and benchmarks use it)."""
+"""Start a swarm of real peer processes on 127.0.0.1 (the demo, tests and benchmarks use it).
+
+Peers are forked from a fork server (cli/forkserver.py), which imports torch and transformers once
+for all of them, unless `fork=False`: measures of one peer process's memory start each afresh."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from p2pfusion.cli.forkserver import ForkedProcess, ForkServer
 from p2pfusion.errors import RouteError
 
 START_TIMEOUT = 120.0
@@ -25,29 +29,41 @@ def even_ranges(num_layers: int, peers: int) -> list[tuple[int, int]]:
 class LocalSwarm:
     model: str | None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="p2pfusion-")))
-    processes: list[subprocess.Popen] = field(default_factory=list)
+    processes: list[subprocess.Popen | ForkedProcess] = field(default_factory=list)
     maddrs: list[str] = field(default_factory=list)
+    fork: bool = True
+    # the fork server peers come from: one this swarm starts at its first launch when none is given
+    forks: ForkServer | None = None
+    _own_forks: bool = field(default=False, repr=False)
 
     def launch(
         self, layers: tuple[int, int] | None, extra: list[str] | None = None, prefix: list[str] | None = None
-    ) -> subprocess.Popen:
-        """Start one peer process (under `prefix`, e.g. `ip netns exec NS`); the first one starts the swarm."""
+    ) -> subprocess.Popen | ForkedProcess:
+        """Start one peer process (under `prefix`, e.g. `ip netns exec NS`, afresh); the first one
+        starts the swarm."""
         index = len(self.processes)
-        cmd = [*(prefix or []), sys.executable, "-m", "p2pfusion.cli.main", "run-peer"]
+        argv = ["run-peer"]
         if self.model is not None:
-            cmd += ["--model", self.model]
-        cmd += ["--new-swarm"] if not self.maddrs else [arg for m in self.maddrs for arg in ("--initial-peers", m)]
+            argv += ["--model", self.model]
+        argv += ["--new-swarm"] if not self.maddrs else [arg for m in self.maddrs for arg in ("--initial-peers", m)]
         if layers is not None:
-            cmd += ["--layers", f"{layers[0]}:{layers[1]}"]
+            argv += ["--layers", f"{layers[0]}:{layers[1]}"]
         address_file = self.workdir / f"peer{index}.addr"
-        cmd += ["--address-file", str(address_file), *(extra or [])]
-        log = open(self.workdir / f"peer{index}.log", "w")
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        argv += ["--address-file", str(address_file), *(extra or [])]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with open(self.workdir / f"peer{index}.log", "w") as log:
+            if prefix or not self.fork:
+                cmd = [*(prefix or []), sys.executable, "-m", "p2pfusion.cli.main", *argv]
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+            else:
+                if self.forks is None:
+                    self.forks, self._own_forks = ForkServer(), True
+                proc = self.forks.popen(argv, stdout=subprocess.DEVNULL, stderr=log, env=env)
         self.processes.append(proc)
-        proc.address_file = address_file  # type: ignore[attr-defined]
+        proc.address_file = address_file  # type: ignore[union-attr]
         return proc
 
-    def wait_ready(self, proc: subprocess.Popen, timeout: float = START_TIMEOUT) -> list[str]:
+    def wait_ready(self, proc: subprocess.Popen | ForkedProcess, timeout: float = START_TIMEOUT) -> list[str]:
         deadline = time.monotonic() + timeout
         address_file: Path = proc.address_file  # type: ignore[attr-defined]
         while not address_file.exists():
@@ -81,6 +97,9 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self._own_forks and self.forks is not None:
+            self.forks.close()
+            self.forks, self._own_forks = None, False
 
     def __enter__(self) -> LocalSwarm:
         return self
