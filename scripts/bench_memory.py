@@ -59,7 +59,7 @@ async def generate(maddrs: list[str], folder: str) -> None:
 
 
 def measure(model: str | None, layers: tuple[int, int], companion: tuple[int, int] | None, fmt: str) -> dict:
-    swarm = LocalSwarm(model=model)
+    swarm = LocalSwarm(model=model, fork=False)  # each peer process as a volunteer starts it
     with swarm:
         proc = swarm.launch(layers, [*OPTIONS[fmt], "--throughput", "100"])
         swarm.wait_ready(proc, timeout=300)

@@ -11,6 +11,8 @@ Each figure is measured in this one run, next to a reference doing the comparabl
 3. A peer restart: from launching `run-peer` to serving, for a peer with a new identity and for
    one restarted with its kept `--identity` right after `kill -9` (it checks that no running peer
    uses its key, and takes its old layers back).
+4. A local swarm's launch (what `p2pfusion demo` waits for): three peers of the default model
+   forked from a fork server, against the same three started as fresh processes, in turns.
 
 Usage: python scripts/bench_startup.py [--runs 3] [--tokens 16]
 """
@@ -106,7 +108,8 @@ def swarm_keys(source, runs: int) -> None:
 
 def restarts(runs: int) -> None:
     fresh, kept = [], []
-    with tempfile.TemporaryDirectory() as keys, LocalSwarm(model=None) as swarm:
+    # peers started afresh: a volunteer's restart includes its imports
+    with tempfile.TemporaryDirectory() as keys, LocalSwarm(model=None, fork=False) as swarm:
         swarm.start([(0, 10), (20, 30)])
         args = ["--max-layers", "10", "--identity", str(Path(keys, "volunteer.key"))]
         for _ in range(runs):
@@ -129,6 +132,19 @@ def restarts(runs: int) -> None:
           f"after kill -9 {statistics.median(kept):.2f} s; ratio {statistics.median(kept) / statistics.median(fresh):.2f}")
 
 
+def local_launches(runs: int) -> None:
+    timed: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(runs):
+        for fork in (True, False):
+            t0 = time.perf_counter()
+            with LocalSwarm(model=None, fork=fork) as swarm:
+                swarm.start([(0, 10), (10, 20), (20, 30)])
+                timed[fork].append(time.perf_counter() - t0)
+    forked, fresh = statistics.median(timed[True]), statistics.median(timed[False])
+    print(f"a local swarm of 3 peers serving: forked {forked:.2f} s, fresh processes {fresh:.2f} s; "
+          f"ratio {forked / fresh:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
@@ -138,6 +154,7 @@ def main() -> None:
     source = resolve_model(None)
     swarm_keys(source, args.runs)
     restarts(args.runs)
+    local_launches(args.runs)
     cold_inference(source, args.runs, args.tokens)
 
 

@@ -15,7 +15,7 @@ from p2pfusion.cli.main import build_parser
 from p2pfusion.client.loop import BackgroundLoop
 from tests.conftest import reference_model
 from tests.swarm import peers_in_background
-from tests.test_cli_errors import CLI
+from tests.forked_cli import forked_async
 from tests.tiny_chat import with_chat_tokenizer
 
 REPLY = 8  # tokens per reply at most
@@ -131,18 +131,11 @@ def test_commands_and_the_length_limit(chat_swarm, chat, capsys):
     assert [after[0] - sessions for (sessions, _), after in zip(before, _counters(peers))] == [3, 3]  # one per /reset
 
 
-async def _chat_cli(maddr: str, folder: str, lines: str) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *CLI, "chat", "--initial-peers", maddr, "--model", folder, "--max-new-tokens", str(REPLY),
-        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(lines.encode()), 120)
-    return proc.returncode, out.decode(), err.decode()
-
-
-def test_chat_command_reads_stdin_until_eof(chat_swarm):
+def test_chat_command_reads_stdin_until_eof(chat_swarm, forks):
     source, _, maddrs = chat_swarm
-    code, out, err = uvloop.run(_chat_cli(maddrs[0], str(source.folder), "hello\n\n  \nhello\n"))
+    argv = ["chat", "--initial-peers", maddrs[0], "--model", str(source.folder), "--max-new-tokens", str(REPLY)]
+    done = uvloop.run(forked_async(forks, argv, "hello\n\n  \nhello\n"))
+    code, out, err = done.returncode, done.stdout, done.stderr
     assert code == 0, err
     assert "Traceback" not in err
     assert "connecting to the swarm" in err.splitlines()[0]

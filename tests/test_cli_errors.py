@@ -19,7 +19,7 @@ from p2pfusion.client.tune.adapter import Adapter, TuningConfig
 from p2pfusion.dht.swarm import join_swarm
 from tests.conftest import reference_model
 from tests.forked_cli import forked
-from tests.swarm import peers_in_background, running_peers
+from tests.swarm import peers_in_background
 from tests.tiny_chat import with_chat_tokenizer
 
 CLI = [sys.executable, "-m", "p2pfusion.cli.main"]
@@ -104,8 +104,8 @@ def cases(tiny: dict, tmp: Path, taken_port: int, live: str, empty: str) -> dict
 
 
 @pytest.fixture(scope="module")
-def outcomes(tiny_models, tmp_path_factory) -> dict[str, tuple[tuple[int, str], tuple[str, ...]]]:
-    """Every case's CLI process, forked from one that has imported the CLI (tests/forked_cli.py)."""
+def outcomes(tiny_models, tmp_path_factory, forks) -> dict[str, tuple[tuple[int, str], tuple[str, ...]]]:
+    """Every case's CLI process, forked from the tests' fork server (tests/forked_cli.py)."""
     import socket
 
     with socket.socket() as taken, peers_in_background(tiny_models["llama"], [(0, 4)]) as (_, maddrs, loop):
@@ -116,7 +116,7 @@ def outcomes(tiny_models, tmp_path_factory) -> dict[str, tuple[tuple[int, str], 
             table = cases(tiny_models, tmp_path_factory.mktemp("cli-errors"), taken.getsockname()[1], maddrs[0],
                           loop.run(lone.maddrs())[0])
             assert list(table) == CASE_NAMES  # every case is a test of its own
-            results = forked([args for args, _ in table.values()])
+            results = forked(forks, [args for args, _ in table.values()])
         finally:
             loop.run(lone.shutdown())
     return {name: ((r.returncode, r.stderr), needles) for (name, (_, needles)), r in zip(table.items(), results)}
@@ -141,14 +141,11 @@ def test_bad_command_lines_end_with_one_error_line(outcomes, name):
     assert_one_line_error(result, *needles)
 
 
-async def _infer_with_gap(source):
-    async with running_peers(source, [(0, 10)]) as (_, maddrs):
-        return await _run("infer", "--initial-peers", maddrs[0], "hello")
-
-
 @pytest.mark.slow
-def test_swarm_missing_layers_are_named(default_model):
-    assert_one_line_error(uvloop.run(_infer_with_gap(default_model)), "no peer serves layers 10:30")
+def test_swarm_missing_layers_are_named(default_model, forks):
+    with peers_in_background(default_model, [(0, 10)]) as (_, maddrs, _loop):
+        [result] = forked(forks, [["infer", "--initial-peers", maddrs[0], "hello"]])
+    assert_one_line_error((result.returncode, result.stderr), "no peer serves layers 10:30")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -280,15 +277,16 @@ def test_every_script_prints_its_help():
     assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr[-2000:]
 
 
-def test_an_unreachable_swarm_is_said_before_the_model_has_loaded():
+def test_an_unreachable_swarm_is_said_before_the_model_has_loaded(forks):
     """`infer` joins the swarm while its model loads: a dead peer is the error, and no line about the
     loaded model comes first."""
-    code, stderr = run("infer", "--initial-peers", DEAD_PEER, "hi")
+    [result] = forked(forks, [["infer", "--initial-peers", DEAD_PEER, "hi"]])
+    code, stderr = result.returncode, result.stderr
     assert code != 0 and "no initial peer is reachable" in stderr.strip().splitlines()[-1]
     assert "loaded SmolLM2" not in stderr, stderr
 
 
-def test_every_length_message_names_the_limit_that_holds(tiny_models, tmp_path):
+def test_every_length_message_names_the_limit_that_holds(tiny_models, tmp_path, forks):
     """Peers that accept 64 tokens of a model with 128 positions: a prompt over either limit, and
     one too long to tokenize at all, are each refused at the swarm's 64."""
     source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "chat")
@@ -296,41 +294,41 @@ def test_every_length_message_names_the_limit_that_holds(tiny_models, tmp_path):
     with peers_in_background(source, [(0, 4)], session_limit=64) as (_, maddrs, _loop):
         prompts = ("a" * 100, "a" * 300, "a" * 5000)
         results = [(r.returncode, r.stderr) for r in forked(
-            [["infer", "--model", str(source.folder), "--initial-peers", maddrs[0], p] for p in prompts]
+            forks, [["infer", "--model", str(source.folder), "--initial-peers", maddrs[0], p] for p in prompts]
         )]
     for result, needle in zip(results, ("10", "30", "5000 characters cannot fit in the 64 tokens")):
         assert_one_line_error(result, f"prompt too long: {needle}", "the swarm accepts")
         assert "64" in result[1].splitlines()[-1] and "128" not in result[1].splitlines()[-1]
 
 
-def test_a_model_the_swarm_does_not_serve_is_said_before_a_first_run_has_converted_it(tiny_models, tmp_path):
+def test_a_model_the_swarm_does_not_serve_is_said_before_a_first_run_has_converted_it(tiny_models, tmp_path, forks):
     """With an empty cache, the default model takes tens of seconds to convert and hash; a swarm
     that serves another model is said from the model's shape (its GGUF header) before that ends."""
     env = dict(os.environ, P2PFUSION_CACHE=str(tmp_path / "cache"))
     with peers_in_background(tiny_models["llama"], [(0, 4)]) as (_, maddrs, _loop):
-        result = subprocess.run([*CLI, "infer", "--initial-peers", maddrs[0], "hi"],
-                                capture_output=True, text=True, timeout=120, env=env)
+        [result] = forked(forks, [["infer", "--initial-peers", maddrs[0], "hi"]], env=env)
     last = result.stderr.strip().splitlines()[-1]
     assert result.returncode != 0 and "the swarm serves no model like SmolLM2-135M-Instruct (30 layers" in last, result.stderr
     assert "(key llama-4x64-" in last  # and names what it does serve
     assert not list((tmp_path / "cache").glob("converted/*/complete")), "it waited for the conversion"
 
 
-def test_a_stopped_peer_removes_its_address_file_and_a_stale_address_is_named_so(tiny_models, tmp_path):
+def test_a_stopped_peer_removes_its_address_file_and_a_stale_address_is_named_so(tiny_models, tmp_path, forks):
     """The README's snippet reads `peer1.addr`: once its peer stops the file is gone, and an address
     kept from it elsewhere fails with one short traceback that says what is wrong."""
     address_file = tmp_path / "peer1.addr"
-    peer = subprocess.Popen(
-        [*CLI, "run-peer", "--model", str(tiny_models["llama"].folder), "--new-swarm", "--layers", "0:4",
-         "--throughput", "100", "--address-file", str(address_file)], stderr=subprocess.PIPE, text=True,
-    )
+    with open(tmp_path / "peer.log", "w") as log:
+        peer = forks.popen(
+            ["run-peer", "--model", str(tiny_models["llama"].folder), "--new-swarm", "--layers", "0:4",
+             "--throughput", "100", "--address-file", str(address_file)], stderr=log,
+        )
     deadline = time.monotonic() + 120
     while not address_file.exists():
         assert peer.poll() is None and time.monotonic() < deadline, "the peer never wrote its address file"
         time.sleep(0.2)
     stale = address_file.read_text().split()[0]
     peer.send_signal(signal.SIGINT)
-    assert peer.wait(60) == 0, peer.stderr.read()
+    assert peer.wait(60) == 0, (tmp_path / "peer.log").read_text()
     assert not address_file.exists()
     api = subprocess.run([sys.executable, "-c", PYTHON_API, stale, str(tiny_models["llama"].folder)],
                          capture_output=True, text=True, timeout=180)

@@ -2,7 +2,6 @@
 swarm accepts fails before any session opens, and a generation past it stops there, as transformers
 stops at max_length."""
 
-import asyncio
 import logging
 
 import pytest
@@ -17,7 +16,8 @@ from p2pfusion.errors import RequestError, RouteError
 from tests.conftest import reference_model
 from tests.policy_records import rec
 from tests.swarm import peers_in_background, start_peer, stop_peer
-from tests.test_cli_errors import CLI, assert_one_line_error
+from tests.forked_cli import forked_async
+from tests.test_cli_errors import assert_one_line_error
 from tests.tiny_chat import with_chat_tokenizer
 
 LIMIT = 16
@@ -121,18 +121,11 @@ def test_python_api_follows_the_swarms_limit(short_swarm, caplog):
         model.close()
 
 
-async def _infer(maddr: str, folder: str, prompt: str) -> tuple[int, str]:
-    proc = await asyncio.create_subprocess_exec(
-        *CLI, "infer", "--initial-peers", maddr, "--model", folder, prompt,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )
-    _, err = await asyncio.wait_for(proc.communicate(), 120)
-    return proc.returncode, err.decode()
-
-
-def test_infer_refuses_a_prompt_longer_than_the_swarm_accepts(short_swarm):
+def test_infer_refuses_a_prompt_longer_than_the_swarm_accepts(short_swarm, forks):
     source, peers, maddrs = short_swarm
     before = _opened(peers)
-    result = uvloop.run(_infer(maddrs[0], str(source.folder), "x" * 30))  # one token per character
+    argv = ["infer", "--initial-peers", maddrs[0], "--model", str(source.folder), "x" * 30]  # a token per character
+    done = uvloop.run(forked_async(forks, argv))
+    result = (done.returncode, done.stderr)
     assert_one_line_error(result, f"prompt too long: 30 tokens, the swarm accepts {LIMIT}")
     assert _opened(peers) == before

@@ -6,7 +6,6 @@ import asyncio
 import json
 import os
 import re
-import sys
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from p2pfusion.errors import RouteError
 from p2pfusion.models.fingerprint import weight_files
 from p2pfusion.models.source import resolve_model
 from tests.conftest import COMMON, reference_model
+from tests.forked_cli import forked_async
 from tests.swarm import running_peers
 
 IDS = [3, 17, 42, 99, 5]
@@ -97,7 +97,7 @@ def _greedy_reference(source, tokens: int) -> list[int]:
     return ids[len(IDS):]
 
 
-async def _through_a_swarm_of(served, asked, other, capsys):
+async def _through_a_swarm_of(served, asked, other, capsys, forks):
     async with running_peers(served, [(0, 2), (2, 4)]) as (_, maddrs):
         swarm = await join_swarm(maddrs, client_mode=True)
         try:
@@ -109,19 +109,15 @@ async def _through_a_swarm_of(served, asked, other, capsys):
             await swarm.shutdown()
         await show_swarm(argparse.Namespace(initial_peers=maddrs, model=str(asked.folder), json=True, probe=True, swarm_secret=None))
         view = json.loads(capsys.readouterr().out)
-        cli = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "p2pfusion.cli.main", "swarm", "--model", str(other.folder),
-            "--initial-peers", maddrs[0], stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        )
-        out, err = await asyncio.wait_for(cli.communicate(), 120)
-    return listed, generated.token_ids, str(absent.value), view, (cli.returncode, out.decode(), err.decode())
+        cli = await forked_async(forks, ["swarm", "--model", str(other.folder), "--initial-peers", maddrs[0]])
+    return listed, generated.token_ids, str(absent.value), view, (cli.returncode, cli.stdout, cli.stderr)
 
 
-def test_a_copy_under_another_name_meets_in_one_swarm(folders, capsys):
+def test_a_copy_under_another_name_meets_in_one_swarm(folders, capsys, forks):
     served = resolve_model(str(folders / "smol-a"))
     asked = resolve_model(str(folders / "renamed-copy"))
     other = resolve_model(str(folders / "elsewhere" / "smol-a"))  # same name, other weights
-    listed, tokens, absent, view, (code, out, err) = uvloop.run(_through_a_swarm_of(served, asked, other, capsys))
+    listed, tokens, absent, view, (code, out, err) = uvloop.run(_through_a_swarm_of(served, asked, other, capsys, forks))
     assert listed == [ModelEntry(served.key, "smol-a", 4, 64)]
     assert tokens == _greedy_reference(served, 8)
     assert absent == (

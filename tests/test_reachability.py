@@ -5,8 +5,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import base58
@@ -19,18 +17,14 @@ from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import RouteError
 from p2pfusion.net import circuits, reach
+from tests.forked_cli import forked
 from tests.policy_records import rec
 from tests.swarm import peers_in_background, running_peers
 from tests.tiny_chat import with_chat_tokenizer
 
-CLI = [sys.executable, "-m", "p2pfusion.cli.main"]
 
-
-def _peer_cli(model: str, *args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*CLI, "run-peer", "--model", model, "--throughput", "100", "--host", "127.0.0.1", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,
-    )
+def _peer_cli(model: str, *args: str) -> list[str]:
+    return ["run-peer", "--model", model, "--throughput", "100", "--host", "127.0.0.1", *args]
 
 
 def test_a_neighbour_dials_only_as_far_as_the_asker_is():
@@ -76,18 +70,18 @@ def test_a_neighbour_dials_back_real_addresses(tiny_models):
     assert results[other] == (False, "another host answers there, not this peer")
 
 
-def test_a_peer_nobody_reaches_says_so_and_claims_no_layers(tiny_models):
+def test_a_peer_nobody_reaches_says_so_and_claims_no_layers(tiny_models, forks):
     """Alone (it dials itself) and beside a neighbour (which dials it back): one warning per
     address, then one error line naming the address and the flag, before any benchmark or load."""
     model = str(tiny_models["llama"].folder)
     with peers_in_background(tiny_models["llama"], [(0, 2)]) as (peers, maddrs, loop):
-        runs = {
-            "alone": _peer_cli(model, "--new-swarm", "--announce-host", "127.0.0.2", "--layers", "0:2"),
-            "joined": _peer_cli(model, "--initial-peers", maddrs[0], "--announce-host", "127.0.0.2", "--layers", "2:4"),
-        }
-        outs = {name: proc.communicate(timeout=120) for name, proc in runs.items()}
+        alone, joined = forked(forks, [
+            _peer_cli(model, "--new-swarm", "--announce-host", "127.0.0.2", "--layers", "0:2"),
+            _peer_cli(model, "--initial-peers", maddrs[0], "--announce-host", "127.0.0.2", "--layers", "2:4"),
+        ])
         records = loop.run(peers[0].swarm.lookup(peers[0].model))
-    for name, proc in runs.items():
+    outs = {"alone": (alone.stdout, alone.stderr), "joined": (joined.stdout, joined.stderr)}
+    for name, proc in {"alone": alone, "joined": joined}.items():
         stderr = outs[name][1]
         assert proc.returncode != 0, stderr
         last = stderr.strip().splitlines()[-1]
@@ -101,26 +95,27 @@ def test_a_peer_nobody_reaches_says_so_and_claims_no_layers(tiny_models):
     assert [r.peer_id for r in records] == [peers[0].swarm.peer_id]  # it never listed itself
 
 
-def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_path):
+def test_listed_peers_that_stop_answering_are_shown_and_named(tiny_models, tmp_path, forks):
     """A frozen peer (SIGSTOP: listed, connections open, nothing answers) shows in `swarm` as
     unreachable with the reason, its layers as not served by reachable peers, and a client's
     error names it. A view that has seen it echo before gives up on it once the other peer echoed."""
     source = with_chat_tokenizer(tiny_models["llama"], tmp_path / "chat")
     model = str(source.folder)
     with peers_in_background(source, [(0, 2)]) as (_, maddrs, _loop):
-        second = _peer_cli(model, "--initial-peers", maddrs[0], "--layers", "2:4")
+        with open(tmp_path / "second.log", "w") as log:
+            second = forks.popen(_peer_cli(model, "--initial-peers", maddrs[0], "--layers", "2:4"), stderr=log)
         try:
             _wait_for_layers(maddrs, [[0, 2], [2, 4]])
             listed, before, after = uvloop.run(_echoes_around(maddrs, lambda: os.kill(second.pid, signal.SIGSTOP)))
             # the three wait on the same frozen peer's timeouts: at once, they wait once
-            shown, table, infer = _all_at_once(
-                [*CLI, "swarm", "--initial-peers", maddrs[0], "--json"],
-                [*CLI, "swarm", "--initial-peers", maddrs[0]],
-                [*CLI, "infer", "--model", model, "--initial-peers", maddrs[0], "hi"],
-            )
+            shown, table, infer = forked(forks, [
+                ["swarm", "--initial-peers", maddrs[0], "--json"],
+                ["swarm", "--initial-peers", maddrs[0]],
+                ["infer", "--model", model, "--initial-peers", maddrs[0], "hi"],
+            ])
         finally:
             os.kill(second.pid, signal.SIGKILL)
-            second.communicate()
+            second.wait()
     (frozen_id,) = [r.peer_id for r in listed if (r.start, r.end) == (2, 4)]
     assert before == {} and after == {frozen_id: "no echo while other peers echoed at once"}, (before, after)
     (view,) = json.loads(shown.stdout)["models"]
@@ -146,17 +141,6 @@ async def _echoes_around(maddrs, freeze):
         return listed, before, await unanswered(swarm, listed, rtts)
     finally:
         await swarm.shutdown()
-
-
-def _all_at_once(*commands: list[str]) -> list[subprocess.CompletedProcess]:
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for c in commands]
-    try:
-        outputs = [p.communicate(timeout=120) for p in procs]
-        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 async def _records(maddrs):

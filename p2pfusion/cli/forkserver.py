@@ -19,6 +19,7 @@ import importlib
 import io
 import json
 import os
+import runpy
 import select
 import signal
 import socket
@@ -215,9 +216,8 @@ def _child(request: dict, fds: list[int]) -> None:
             if library in sys.modules and sys.modules[library] is None:
                 del sys.modules[library]  # main() hides again the ones this command does not use
         sys.argv = ["p2pfusion", *request["argv"]]
-        from p2pfusion.cli.main import main
-
-        code = main(request["argv"])
+        runpy.run_module("p2pfusion.cli.main", run_name="__main__", alter_sys=True)  # as `python -m` runs it
+        code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # what the interpreter prints for an uncaught error, and its exit code
