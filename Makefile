@@ -25,11 +25,15 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: setup
 	$(VENV)/bin/p2pfusion demo
 
+# Two workers, each taking whole files (module-wide swarms start once): tests wait on peers and
+# timeouts for much of their time, which the other worker fills (docs/benchmarks.md, The test suite).
+PYTEST = $(PY) -m pytest -q -n 2 --dist loadfile
+
 test: setup
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 lint-docker: setup
 	$(VENV)/bin/hadolint docker/Dockerfile

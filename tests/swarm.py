@@ -27,10 +27,13 @@ async def stop_peer(peer: Peer) -> None:
 
 
 @asynccontextmanager
-async def running_peers(source: ModelSource, ranges: list[tuple[int, int]], **options):
-    """Start one peer per range (the first starts the swarm); yield (peers, bootstrap maddrs)."""
+async def running_peers(source: ModelSource, ranges: list[tuple[int, int]], refresh: bool = False, **options):
+    """Start one peer per range (the first starts the swarm); yield (peers, bootstrap maddrs).
+    `refresh`: the peers' records are announced again as run-peer's upkeep would, or they expire
+    after 30 s (which a test on a busy machine may outlast)."""
     peers: list[Peer] = []
     initial: list[str] = []
+    refresher = asyncio.create_task(_keep_announcing(peers)) if refresh else None
     try:
         for layers in ranges:
             peers.append(await start_peer(source, initial, layers, **options))
@@ -38,6 +41,8 @@ async def running_peers(source: ModelSource, ranges: list[tuple[int, int]], **op
                 initial = await peers[0].swarm.maddrs()
         yield peers, initial
     finally:
+        if refresher is not None:
+            refresher.cancel()
         for peer in peers:
             await stop_peer(peer)
 
@@ -45,17 +50,12 @@ async def running_peers(source: ModelSource, ranges: list[tuple[int, int]], **op
 @contextmanager
 def peers_in_background(source: ModelSource, ranges: list[tuple[int, int]], **options):
     """Like running_peers, on a loop of their own thread, for tests of the synchronous client API
-    and module-wide swarms; yields (peers, bootstrap maddrs, the loop). The peers' records are
-    refreshed as run-peer's upkeep would, or they would expire after 30 s."""
+    and module-wide swarms; yields (peers, bootstrap maddrs, the loop)."""
     loop = BackgroundLoop("test-peers")
-    peers = running_peers(source, ranges, **options)
+    peers = running_peers(source, ranges, refresh=True, **options)
     try:
         started, maddrs = loop.run(peers.__aenter__())
-        refresher = loop.run(_start(_keep_announcing(started)))
-        try:
-            yield started, maddrs, loop
-        finally:
-            loop.loop.call_soon_threadsafe(refresher.cancel)
+        yield started, maddrs, loop
     finally:
         try:
             loop.run(peers.__aexit__(None, None, None))
@@ -68,9 +68,10 @@ async def _start(coro) -> asyncio.Task:
 
 
 async def _keep_announcing(peers: list[Peer]) -> None:
+    """Every refresh period, each started peer announces its record again (the list may grow)."""
     while True:
-        await asyncio.sleep(peers[0].options.refresh_period)
-        for peer in peers:
+        await asyncio.sleep(peers[0].options.refresh_period if peers else 1.0)
+        for peer in list(peers):
             if peer.record is not None and peer.record.state != PeerState.OFFLINE:
                 await peer.announce()
 

@@ -150,7 +150,7 @@ CACHE_BUFFER = (1, 2, 2048, 16)  # one layer's keys or values of a session past 
 
 async def _memory(source):
     # 1 KiB of KV per token here (4 layers, 2 KV heads of 16, float32): 2 MiB per 2048-token session
-    async with running_peers(source, [(0, 4)], cache_memory=80 * MIB) as ([peer], maddrs):
+    async with running_peers(source, [(0, 4)], refresh=True, cache_memory=80 * MIB) as ([peer], maddrs):
         client = await join_swarm(maddrs, client_mode=True)
         attacker = await join_swarm(maddrs, host=ELSEWHERE, client_mode=True)
         await _generate(client, source)  # what a client's first generation loads is not the sessions' memory
