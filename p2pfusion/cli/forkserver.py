@@ -1,7 +1,7 @@
 """CLI processes forked from one that has already imported what they need.
 
 A `p2pfusion run-peer` process spends seconds of CPU importing torch, transformers and hivemind
-before its first line of work (about 4 s of one core here; more while other processes compete).
+before its first line of work (4 to 6 s of one core on this 2-core VM, the more the busier it is).
 A local swarm of N peers pays that once through a fork server: a process that imports them and
 then forks one child per command line. From there each child is what a fresh process would be:
 its own arguments, environment, working directory, stdin, stdout, stderr, exit code and logging
