@@ -25,6 +25,8 @@ Usage: python scripts/bench_api.py [--tokens 64] [--runs 5] [--concurrent 8] [--
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import contextlib
@@ -49,7 +51,6 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import ModelSource, resolve_model
 from p2pfusion.models.stage import load_config
 from bench_load import local_rate
-from bench_machine import machine_header
 
 TOPICS = [
     "a lighthouse keeper", "a lost violin", "the first snow on Mars", "a clockmaker's apprentice",

@@ -24,6 +24,8 @@ Usage: python scripts/bench_api_attacks.py [--attacks body-40mib,stream-flood,..
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import collections
 import json
@@ -39,7 +41,6 @@ import time
 import httpx2 as httpx
 
 from p2pfusion.cli.local_swarm import LocalSwarm
-from bench_machine import machine_header
 
 ATTACKS = ["body-40mib", "body-4mib", "stream-flood", "prefill-flood", "stop-strings", "slowloris"]
 WARMUP = 5.0

@@ -27,6 +27,8 @@ Usage: python scripts/bench_attacks.py [--tokens 24] [--users 3] [--attacks slow
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import os
@@ -54,7 +56,6 @@ from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Codec
 from p2pfusion.net.framing import PREFIX, encode, read_frame, write_frame
 from p2pfusion.net.addresses import split_addr
-from bench_machine import machine_header
 
 PROMPT = "What is the capital of France?"
 ATTACKS = [

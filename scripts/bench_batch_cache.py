@@ -13,6 +13,8 @@ step are printed, with ours over transformers'. One thread, as a peer's decode s
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import statistics
 import sys
@@ -24,7 +26,6 @@ from transformers import DynamicCache
 
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import Stage, load_stage
-from bench_machine import machine_header
 
 LAYERS = 10
 SPREAD = 7  # positions between one session's length and the next's

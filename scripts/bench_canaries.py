@@ -20,6 +20,8 @@ Usage: python scripts/bench_canaries.py [--canaries 20] [--honest 200] [--corrup
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import random
@@ -44,7 +46,6 @@ from p2pfusion.net.compression import Codec
 from p2pfusion.net.identity import Identity
 from p2pfusion.net.receipts import ReceiptChain, ReceiptKey
 from p2pfusion.net.wire import encode
-from bench_machine import machine_header
 from bench_verify import CODECS, FORMAT_NAMES, MIXED, Int4Compute, Liar, Nudge, noise, start_mixed, start_peers, stop_peers
 
 SOMETIMES = 4  # "in 1 session of 4": the liar lies in a session with this chance in 1

@@ -22,6 +22,8 @@ Usage: python scripts/bench_churn.py [--runs 2] [--tokens 40] [--stall-runs 20] 
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import itertools
 import os
@@ -44,7 +46,6 @@ from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.peer.balance import Capacity, bottleneck, choose_range, layer_throughputs
 from p2pfusion.peer.rebalance import plan_move
-from bench_machine import machine_header
 
 KILL_AT = 12
 PROMPT = "Write a short story about a robot who learns to paint."

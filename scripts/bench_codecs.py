@@ -12,6 +12,8 @@ Usage: python scripts/bench_codecs.py [--tokens 64] [--prompts 8]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import statistics
 import time
@@ -23,7 +25,6 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage
 from p2pfusion.net.codecs import pack, unpack
 from p2pfusion.net.compression import Codec
-from bench_machine import machine_header
 
 PROMPTS = [
     "What is the capital of France?",

@@ -17,6 +17,8 @@ Usage: python scripts/bench_formats.py [--formats float32,bfloat16,float16,int8,
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import importlib.util
 import statistics
@@ -33,7 +35,6 @@ from p2pfusion.client.checks.policy import relative_errors, total_variation
 from p2pfusion.models.formats import WeightFormat, layer_sizes, load_settings
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_stage
-from bench_machine import machine_header
 
 _spec = importlib.util.spec_from_file_location("bench_codecs", Path(__file__).with_name("bench_codecs.py"))
 codecs_bench = importlib.util.module_from_spec(_spec)

@@ -14,6 +14,8 @@ with ratios to `linear`.
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import statistics
 import sys
@@ -25,7 +27,6 @@ from tqdm import tqdm
 from p2pfusion.client.generate.screen import screened_head
 from p2pfusion.models.source import resolve_model
 from transformers import AutoModelForCausalLM
-from bench_machine import machine_header
 
 ROWS = (1, 2, 4, 8, 16)
 

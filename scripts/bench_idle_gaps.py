@@ -12,6 +12,8 @@ others. This measures, in one run, each of two things done back to back and afte
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import multiprocessing
@@ -20,7 +22,6 @@ import time
 
 import uvloop
 
-from bench_machine import machine_header
 
 PAYLOAD = 576 * 4
 

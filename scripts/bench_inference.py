@@ -13,6 +13,8 @@ Usage: python scripts/bench_inference.py [--tokens 64] [--runs 5] [--peers 3] [-
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import statistics
 import sys
@@ -26,7 +28,6 @@ from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
-from bench_machine import machine_header
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 

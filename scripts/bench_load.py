@@ -29,6 +29,8 @@ Usage: python scripts/bench_load.py [--sessions 1,2,4,8,16] [--tokens 64] [--pai
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import math
@@ -51,7 +53,6 @@ from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
-from bench_machine import machine_header
 
 TOPICS = [
     "a lighthouse keeper", "a lost violin", "the first snow on Mars", "a clockmaker's apprentice",

@@ -11,6 +11,8 @@ Usage: python scripts/bench_local_layers.py [--tokens 64] [--runs 2] [--local-la
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import statistics
 import sys
@@ -23,7 +25,6 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
 from p2pfusion.models.formats import trim_heap
-from bench_machine import machine_header
 
 PROMPTS = [
     "What is a DHT?",

@@ -16,6 +16,7 @@ import argparse
 import os
 import platform
 
+import p2pfusion  # before torch: importing the package sets OpenMP's spin, as in the CLI's processes
 import torch
 
 from p2pfusion.models.source import resolve_model
@@ -41,7 +42,8 @@ def machine_header(gap: float = IDLE_GAP) -> str:
     ratio = by[threads, False].back_to_back / by[1, False].back_to_back
     return "\n".join([
         f"machine: {device_name('cpu')}, {os.cpu_count()} cores ({usable} usable), torch threads {threads}, "
-        f"{platform.machine()}, torch {torch.__version__}",
+        f"{platform.machine()}, torch {torch.__version__}, p2pfusion {p2pfusion.__version__}, "
+        f"GOMP_SPINCOUNT {os.environ.get('GOMP_SPINCOUNT', 'default')}",
         f"machine: {LAYERS}-layer decode step, back to back / after {gap * 1000:.0f} ms idle: {steps}",
         f"machine: threads {ratio:.2f} ({threads} ÷ 1 back to back), idle gap {mine.after_idle / mine.back_to_back:.2f}x "
         f"on the peers' choice, {chosen.describe()}",

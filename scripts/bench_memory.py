@@ -14,6 +14,8 @@ Usage: python scripts/bench_memory.py [--formats float32,bfloat16,int8,int4] [--
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import importlib.util
@@ -31,7 +33,6 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.formats import layer_sizes, weight_format
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
-from bench_machine import machine_header
 
 _spec = importlib.util.spec_from_file_location("random_llama", Path(__file__).parents[1] / "tests" / "random_llama.py")
 random_llama = importlib.util.module_from_spec(_spec)

@@ -28,6 +28,8 @@ Usage: python scripts/bench_poisoned_run.py [--steps 60] [--sync-every 5] [--see
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import itertools
@@ -46,7 +48,6 @@ from p2pfusion.models.source import resolve_model
 from p2pfusion.net import averaging
 from p2pfusion.net.robust import Aggregate
 from p2pfusion.peer.runtime import Peer, PeerOptions
-from bench_machine import machine_header
 from bench_pretrain import HELD_OUT_MODULES, TRAIN_MODULES, batches, progress
 
 RUNS = ["clean", "huge", "flipped", "shapes", "two-faced", "late-two-faced", "undefended-huge"]

@@ -20,6 +20,8 @@ from one set of modules, held-out text from another. Prints a table; `--plot PNG
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import importlib
 import inspect
@@ -37,7 +39,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.run.trainer import SwarmTrainer
 from p2pfusion.models.source import resolve_model
-from bench_machine import machine_header
 
 TRAIN_MODULES = ("argparse", "asyncio.tasks", "collections", "functools", "itertools", "json", "logging", "os", "pathlib",
                  "re", "shutil", "subprocess", "threading", "typing", "unittest.case", "urllib.parse", "zipfile")

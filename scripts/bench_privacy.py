@@ -16,6 +16,8 @@ Usage: python scripts/bench_privacy.py [--quick] [--depths 8,15,29] [--budget N]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import importlib.util
 import json
@@ -34,7 +36,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from p2pfusion.models.source import resolve_model
 from p2pfusion.net.codecs import pack
 from p2pfusion.net.compression import Codec
-from bench_machine import machine_header
 
 _spec = importlib.util.spec_from_file_location("privacy_attacks", Path(__file__).with_name("privacy_attacks.py"))
 attacks = importlib.util.module_from_spec(_spec)

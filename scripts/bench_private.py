@@ -17,6 +17,8 @@ Usage: python scripts/bench_private.py [--rounds 200]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import json
@@ -37,7 +39,6 @@ from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.net import probe
 from p2pfusion.net.framing import read_frame, write_frame
 from p2pfusion.net.secret import SwarmSecret, create_secret_file, load_secret
-from bench_machine import machine_header
 
 HIDDEN = 576
 ABSENT = "p2pfusion.model.bench-absent"

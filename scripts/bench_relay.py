@@ -16,6 +16,8 @@ Usage: sudo .venv/bin/python scripts/bench_relay.py [--tokens 32] [--runs 3]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import signal
 import statistics
@@ -29,7 +31,6 @@ from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
-from bench_machine import machine_header
 
 PROMPT = "List the planets of the solar system, one per line, with one fact about each."
 RELAYS = 4

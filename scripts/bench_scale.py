@@ -23,6 +23,8 @@ Usage: python scripts/bench_scale.py [--nodes 60] [--peers 20] [--churn-minutes 
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import statistics
@@ -42,7 +44,6 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.peer.balance import bottleneck
-from bench_machine import machine_header
 from bench_poisoned_run import small_model
 from scale_churn import churn
 from scale_fleet import Fleet, Node

@@ -20,6 +20,8 @@ Usage: python scripts/bench_silent_peers.py [--nodes 8] [--runs 5]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import os
@@ -32,7 +34,6 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PDaemonError
 
-from bench_machine import machine_header
 from p2pfusion.dht.records import MODELS_KEY, ModelEntry
 from p2pfusion.dht.swarm import SwarmNode, join_swarm
 from p2pfusion.dht.validation import SwarmValidator

@@ -18,6 +18,8 @@ Usage: python scripts/bench_slow_links.py [--rates 10,100] [--tokens 32] [--runs
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import shutil
 import statistics
@@ -32,7 +34,6 @@ from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
-from bench_machine import machine_header
 
 PEERS = 3
 SUBNET = "10.77.0"

@@ -16,6 +16,8 @@ Usage: python scripts/bench_speculative.py [--tokens 96] [--runs 3] [--peers 3]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import statistics
 import sys
@@ -29,7 +31,6 @@ from p2pfusion.client.generate.draft import MAX_DRAFTS, lookup
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
-from bench_machine import machine_header
 
 CODE = '''def mean(values):
     total = 0

@@ -19,6 +19,8 @@ Usage: python scripts/bench_startup.py [--runs 3] [--tokens 16]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import hashlib
 import os
@@ -33,7 +35,6 @@ from pathlib import Path
 from p2pfusion.cli.local_swarm import LocalSwarm
 from p2pfusion.models.fingerprint import swarm_key, weight_files
 from p2pfusion.models.source import resolve_model
-from bench_machine import machine_header
 
 PROMPT = "What is a DHT?"
 LOCAL = """

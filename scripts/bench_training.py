@@ -10,6 +10,8 @@ writes; logs are off), so they include framing, TLS and the adapter's upload whe
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import os
 import statistics
@@ -23,7 +25,6 @@ from transformers import AutoModelForCausalLM
 from p2pfusion import AutoDistributedModelForCausalLM
 from p2pfusion.cli.local_swarm import LocalSwarm, even_ranges
 from p2pfusion.models.source import resolve_model
-from bench_machine import machine_header
 
 TARGETS = ("q_proj", "v_proj")
 

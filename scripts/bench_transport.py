@@ -11,6 +11,8 @@ Usage: python scripts/bench_transport.py [--rounds 200] [--stream-frames 200]
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import json
@@ -28,7 +30,6 @@ from hivemind.proto import runtime_pb2
 from p2pfusion.net import probe
 from p2pfusion.net.framing import read_frame, write_frame
 from p2pfusion.net.transport import STREAM_LIMIT, Transport
-from bench_machine import machine_header
 
 HIDDEN = 576
 UNARY = "bench.unary"

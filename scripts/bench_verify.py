@@ -20,6 +20,8 @@ Usage: python scripts/bench_verify.py [--runs 3] [--tokens 32] [--rates 0.02,0.1
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import random
@@ -43,7 +45,6 @@ from p2pfusion.models.formats import WeightFormat
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_head, load_stage
 from p2pfusion.peer.runtime import Peer, PeerOptions
-from bench_machine import machine_header
 
 PROMPT = "Write a short story about a robot who learns to paint."
 FLIPPED = 20  # the position whose output the "flip" liar negates

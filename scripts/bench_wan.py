@@ -28,6 +28,8 @@ Needs root. Usage: sudo .venv/bin/python scripts/bench_wan.py [--parts sweep,spe
 
 from __future__ import annotations
 
+from bench_machine import machine_header  # first: it loads the package before torch, as the CLI does
+
 import argparse
 import asyncio
 import itertools
@@ -50,7 +52,6 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.errors import P2PFusionError
 from p2pfusion.models.source import resolve_model
 from p2pfusion.models.stage import load_config
-from bench_machine import machine_header
 from bench_churn import KILL_AT, PROMPT, family, reference_tokens, send_signal
 from bench_poisoned_run import small_model
 from bench_speculative import FREE, REPEATING, lookup_bound

@@ -3,6 +3,7 @@ kept warm giving transformers' logits and the cores back), and how many threads 
 keeps."""
 
 import asyncio
+import logging
 import time
 
 import pytest
@@ -11,10 +12,12 @@ import uvloop
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.greedy import REVISIT, TRIALS, HeadWays, kept_way
-from p2pfusion.client.generate.trials import Trials
+from p2pfusion.models.trials import Trials
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.compute import StageCompute
-from p2pfusion.peer.threads import DecodeSettings, StepCost, choose_decode_settings, shares_host, thread_options
+from p2pfusion.peer.threads import (
+    STEP_REVISIT, STEP_TRIALS, DecodeSettings, DecodeThreads, StepCost, choose_decode_settings, shares_host, thread_options,
+)
 from tests.conftest import reference_model
 from tests.swarm import running_peers
 
@@ -90,6 +93,56 @@ def test_a_peer_stops_spinning_while_another_peer_serves_from_its_machine():
     alone.shutdown()
 
 
+def serve(threads: DecodeThreads, steps: int, seconds, rows: int = 1) -> tuple[list[int], list[str]]:
+    """`steps` steps of `rows` rows timed by `seconds(threads)`: the counts they ran on, and what was logged."""
+    used, said = [], []
+    for _ in range(steps):
+        n = threads.threads(rows)
+        used.append(n)
+        message = threads.timed(rows, n, seconds(n))
+        if message:
+            said.append(message)
+    return used, said
+
+
+def test_a_peer_corrects_a_stale_benchmark_from_its_served_steps():
+    # the Intel VM of docs/benchmarks.md: a benchmark cached during a test run chose one thread,
+    # where served steps take 21 ms on one and 14 ms on two
+    threads = DecodeThreads(DecodeSettings(1, False, tuned=True), 2)
+    used, said = serve(threads, 2 * STEP_TRIALS, {1: 21e-3, 2: 14e-3}.get)
+    assert used == [1] * STEP_TRIALS + [2] * STEP_TRIALS  # the benchmark's count first, then the other
+    assert said == ["steps of 1 row run on 2 threads (medians as served: 1 thread 21.00 ms; 2 threads 14.00 ms)"]
+    used, said = serve(threads, 4 * STEP_REVISIT, {1: 21e-3, 2: 14e-3}.get)
+    assert used.count(1) == 4 and said == []  # one step in STEP_REVISIT looks again, and nothing changes
+    # two threads slow down to within MARGIN of one but stay faster: no turn-taking at each look
+    used, said = serve(threads, STEP_TRIALS * STEP_REVISIT, {1: 18.4e-3, 2: 17.0e-3}.get)
+    assert said == [] and used.count(1) == STEP_TRIALS
+    # the machine gets busy (others' work on the second core): two threads now wait for it
+    used, said = serve(threads, STEP_REVISIT, {1: 21e-3, 2: 40e-3}.get)
+    assert len(said) == 1 and said[0].startswith("steps of 1 row run on 1 thread (medians as served: 1 thread 18.40 ms")
+    assert used.index(1) <= STEP_TRIALS  # its own latest steps say so within a few steps
+    assert used[STEP_TRIALS:].count(2) <= 1
+
+
+def test_served_steps_keep_the_fewest_threads_unless_more_clearly_pay():
+    # the AMD VM: one thread as fast as two
+    threads = DecodeThreads(DecodeSettings(2, False, tuned=True), 2)
+    used, said = serve(threads, 2 * STEP_TRIALS + STEP_REVISIT, {1: 11.6e-3, 2: 11.0e-3}.get)
+    assert said[-1].startswith("steps of 1 row run on 1 thread") and used[-STEP_REVISIT:].count(2) <= 1
+    # sizes of step are decided apart: batches of 8 rows do pay for four threads of eight
+    many = DecodeThreads(DecodeSettings(1, False, tuned=True), 8)
+    cost = {1: 40e-3, 2: 21e-3, 4: 12e-3, 8: 11.5e-3}.get
+    used, said = serve(many, 4 * STEP_TRIALS + STEP_REVISIT, cost, rows=8)
+    assert said[-1].startswith("steps of 8+ rows run on 4 threads")
+    assert many.threads(1) == 1 and many.threads(8) == 4
+
+
+def test_threads_fixed_by_the_operator_are_never_tuned():
+    threads = DecodeThreads(DecodeSettings(2, False), 4)
+    used, said = serve(threads, 3 * STEP_REVISIT, {2: 50e-3}.get)
+    assert set(used) == {2} and said == []
+
+
 IDS = [3, 17, 42, 99, 5]
 
 
@@ -122,6 +175,28 @@ def test_a_peer_kept_warm_gives_transformers_logits_and_the_cores_back(tiny_mode
     torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
     assert steps >= 5  # warm steps run on the compute thread, whose threads were kept spinning
     assert idle_cpu < 0.25  # spinning two threads would burn 1 s of CPU in those 0.5 s
+
+
+async def _tuned_decode(source, tokens: int):
+    async with running_peers(source, [(0, 2), (2, 4)]) as (peers, maddrs):
+        swarm = await join_swarm(maddrs, client_mode=True)
+        try:
+            result = await RemoteCausalLM.build(source, swarm, speculate="off").generate(IDS, tokens, stop_at_eos=False, decode=False)
+        finally:
+            await swarm.shutdown()
+    return list(result.token_ids)
+
+
+def test_peers_tune_their_threads_on_served_steps_and_still_give_transformers_tokens(tiny_models, caplog):
+    source, tokens = tiny_models["llama"], 2 * STEP_TRIALS + 8
+    with caplog.at_level(logging.INFO, logger="p2pfusion.peer.compute"):
+        generated = uvloop.run(_tuned_decode(source, tokens))
+    with torch.no_grad():
+        expected = reference_model(source).generate(torch.tensor([IDS]), max_new_tokens=tokens, do_sample=False)
+    assert generated == expected[0, len(IDS):].tolist()  # steps on either count of threads
+    decided = [r.getMessage() for r in caplog.records if "one-token steps: steps of 1 row run on" in r.getMessage()]
+    if torch.get_num_threads() > 1:  # each peer tried both counts on its own steps, and said which it kept
+        assert len(decided) >= 2 and all("medians as served: 1 thread" in message for message in decided), decided
 
 
 def test_the_client_head_keeps_the_way_its_own_calls_found_faster():

@@ -9,8 +9,9 @@ its own arguments, environment, working directory, stdin, stdout, stderr, exit c
 half-started thread pool, and the server holds no threads.
 
 Two things a fresh process settles before its imports are settled here once for all children:
-OpenMP's spin time (a peer's, `GOMP_SPINCOUNT`, read when torch loads) and the quantization
-libraries transformers sees (none: each child imports its own format's library itself).
+OpenMP's spin time (`GOMP_SPINCOUNT`, which importing the package sets and torch reads as it
+loads) and the quantization libraries transformers sees (none: each child imports its own
+format's library itself).
 """
 
 from __future__ import annotations
@@ -158,8 +159,6 @@ class _streams:
 
 
 def _serve(sock: socket.socket) -> None:
-    if "OMP_WAIT_POLICY" not in os.environ:
-        os.environ.setdefault("GOMP_SPINCOUNT", "10000")  # as main() sets it for run-peer
     for library in QUANTIZERS.values():
         sys.modules.setdefault(library, None)
     importlib.import_module("p2pfusion.cli.commands")  # what the commands import: torch, transformers, hivemind

@@ -340,13 +340,6 @@ def main(argv: list[str] | None = None) -> int:
     for library in unused_quantizers(args.command, getattr(args, "quant", None)):
         # a name mapped to None fails to import, and transformers then sees the library as absent
         sys.modules.setdefault(library, None)
-    if args.command == "run-peer":
-        # A stage idles while other stages compute, often on the same cores, so its OpenMP
-        # threads must not spin for long (libgomp's default is about 3 ms) after a step; never
-        # spinning (OMP_WAIT_POLICY=PASSIVE) made batch steps 18% slower. About 0.1 ms keeps
-        # threads warm between one step's ops. Set before torch starts its thread pool.
-        if "OMP_WAIT_POLICY" not in os.environ:
-            os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     _configure_logging(args.verbose)
     try:
         if args.command == "run-peer":

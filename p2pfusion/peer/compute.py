@@ -14,7 +14,7 @@ import torch
 from p2pfusion.models.formats import QUANTS
 from p2pfusion.peer.scheduler import Scheduler, Stats
 from p2pfusion.peer.session import Session, StepInputs
-from p2pfusion.peer.threads import DecodeSettings
+from p2pfusion.peer.threads import DecodeSettings, DecodeThreads
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +49,9 @@ class StageCompute:
     ):
         self.scheduler = Scheduler()
         self._all_threads = torch.get_num_threads()
-        self._decode_threads = decode.threads if decode else self._all_threads
-        self._warm = decode is not None and decode.warm and self._decode_threads > 1
+        self._decode = DecodeThreads(decode or DecodeSettings(self._all_threads, False), self._all_threads)
+        self._small_threads = self._decode.start  # what the latest small step ran on, which spinning keeps warm
+        self._warm = decode is not None and decode.warm and decode.threads > 1
         self._shares_host = False  # other peers compute on this machine's cores (peer/upkeep.py)
         self._small_done: float | None = None  # when the last small step ended
         self._gap = LONGEST_WARM / 2  # between a small step's end and the next one's start, lately
@@ -112,7 +113,7 @@ class StageCompute:
         done = time.perf_counter()
         if small and self.warm:
             self._small_done = done
-            self.scheduler.keep_warm(functools.partial(spin, self._decode_threads), done + min(LONGEST_WARM, 2 * self._gap))
+            self.scheduler.keep_warm(functools.partial(spin, self._small_threads), done + min(LONGEST_WARM, 2 * self._gap))
         return out, done - t0
 
     @staticmethod
@@ -172,12 +173,20 @@ class StageCompute:
             and not self._shared()
         )
 
-    def _threads_for(self, rows: int) -> None:
+    def _threads_for(self, rows: int) -> int:
         """Runs just before each step, on the thread that runs it: torch's count is OpenMP's, kept per
         thread once that thread has run torch, so a decode step beside a chunk keeps its own."""
-        threads = self._decode_threads if rows <= SMALL_STEP_ROWS else self._all_threads
+        threads = self._decode.threads(rows) if rows <= SMALL_STEP_ROWS else self._all_threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        return threads
+
+    def _timed(self, rows: int, threads: int, started: float) -> None:
+        """A small step's forward, timed as served, for `DecodeThreads`."""
+        self._small_threads = threads
+        said = self._decode.timed(rows, threads, time.perf_counter() - started)
+        if said:
+            log.info("one-token steps: %s", said)
 
     def forget(self) -> None:
         """A session ended."""
@@ -196,13 +205,15 @@ class StageCompute:
     def _infer(self, session: Session, inputs: StepInputs, a: int, b: int) -> torch.Tensor:
         """Tokens [a, b) of an inference step, after the session's cache and the step's tokens before a."""
         rows = inputs.hidden.shape[0] * (b - a)
-        self._threads_for(rows)
+        threads = self._threads_for(rows)
         offset = session.position + a
         mask = None if inputs.mask is None else inputs.mask[:, :session.position + b]
         positions = None if inputs.positions is None else inputs.positions[:, a:b]
         started = time.perf_counter()
         out = session.stage.forward(inputs.hidden[:, a:b], offset, session.cache, mask, positions, inputs.params)
-        if rows > SMALL_STEP_ROWS:  # a prefill's pace, which sizes the chunks of the next ones
+        if rows <= SMALL_STEP_ROWS:
+            self._timed(rows, threads, started)
+        else:  # a prefill's pace, which sizes the chunks of the next ones
             pace = (time.perf_counter() - started) / rows
             self._row_seconds = pace if self._row_seconds is None else 0.7 * self._row_seconds + 0.3 * pace
         return out
@@ -212,14 +223,19 @@ class StageCompute:
         if len(items) == 1:
             session, inputs = items[0]
             return [self._infer(session, inputs, 0, 1)]
-        self._threads_for(sum(inputs.hidden.shape[0] for _, inputs in items))
+        rows = sum(inputs.hidden.shape[0] for _, inputs in items)
+        threads = self._threads_for(rows)
         stage = items[0][0].stage
-        return stage.forward_batch(
+        started = time.perf_counter()
+        outs = stage.forward_batch(
             [inputs.hidden for _, inputs in items],
             [session.cache for session, _ in items],
             [inputs.mask for _, inputs in items],
             [inputs.positions for _, inputs in items],
         )
+        if rows <= SMALL_STEP_ROWS:
+            self._timed(rows, threads, started)
+        return outs
 
     def _train_forward(self, session: Session, inputs: StepInputs) -> torch.Tensor:
         self._threads_for(inputs.hidden.shape[0] * inputs.hidden.shape[1])

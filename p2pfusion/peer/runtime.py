@@ -40,6 +40,7 @@ from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.reports import ReportCheck
 from p2pfusion.peer.server import StageServer
 from p2pfusion.peer.run_service import ReplicaService, join_run
+from p2pfusion.peer.threads import DecodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,12 @@ class Peer:
             bench = replace(bench, decode_threads=int(threads), decode_warm=warm == "warm")
             log.info("one-token steps on %s, as --decode-threads says", bench.decode.describe())
         return bench
+
+    def _decode_settings(self, bench: ComputeBenchmark) -> DecodeSettings:
+        """The benchmark's threads for one-token steps, then what the served steps say on a CPU
+        (peer/threads.py), unless --decode-threads fixed them."""
+        tuned = self.options.decode_threads == "auto" and self.options.device == "cpu"
+        return replace(bench.decode, tuned=tuned)
 
     @property
     def format(self) -> WeightFormat:
@@ -232,7 +239,7 @@ class Peer:
         stage = await self.load(placement.start, placement.end)
         self.server = StageServer(
             stage, self.swarm.transport, self.links, self.directory, self._serving_limits(stage, free), self.num_layers,
-            self.options.session_limit, self.options.compression, bench.decode, self.options.training_memory,
+            self.options.session_limit, self.options.compression, self._decode_settings(bench), self.options.training_memory,
             metrics=self.metrics,
         )
         if self.options.train is not None:

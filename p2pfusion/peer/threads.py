@@ -7,14 +7,28 @@ through 10 layers took 10.0 ms on two threads back to back but 41.6 ms after 50 
 each option where the peer runs; a step back to back only breaks ties under many users, when steps
 do follow each other. Keeping threads warm (spinning through the gap) costs cores that other
 stages or the volunteer's own work may need, so it is chosen only where it clearly wins.
+
+The benchmark's choice is where a peer starts. It was measured once, maybe while the machine was
+busy with something else, and it is cached: on another Intel VM, peers started during a test run
+kept one thread where two made steps a third shorter. So a peer whose threads were not fixed by
+`--decode-threads` goes on timing its own one-token steps as it serves (`DecodeThreads`), and
+keeps the thread count they say is fastest, under the load it meets.
 """
 
 from __future__ import annotations
 
+import statistics
+import threading
+from collections import deque
 from dataclasses import dataclass
+
+from p2pfusion.models.trials import Trials, first_unless_beaten, size_class
 
 MARGIN = 0.1  # a costlier option must be this much faster to be chosen: timings on a shared machine wobble
 WARM_MARGIN = 0.25  # spinning through every gap costs cores, so it must win by more
+STEP_TRIALS = 8  # a served step's latest timings per thread count that decide
+STEP_REVISIT = 64  # once decided, one step in this many runs on another count: about 1% of steps pay for it
+_FEWEST_UNLESS_BEATEN = first_unless_beaten(MARGIN)
 
 
 @dataclass(frozen=True)
@@ -35,6 +49,7 @@ class StepCost:
 class DecodeSettings:
     threads: int
     warm: bool
+    tuned: bool = False  # the threads are then only where timing the served steps starts (`DecodeThreads`)
 
     def describe(self) -> str:
         return f"{self.threads} thread{'s' if self.threads > 1 else ''}" + (", kept warm between steps" if self.warm else "")
@@ -64,6 +79,57 @@ def choose_decode_settings(costs: list[StepCost]) -> DecodeSettings:
             # changes nothing then, so it is never chosen for that)
             chosen = cost
     return DecodeSettings(chosen.threads, chosen.warm)
+
+
+class DecodeThreads:
+    """The one owner of how many threads a peer's one-token steps (and batches of up to a few
+    rows) run on: fixed, or learned from the served steps' own timings, per size of step (1, 2-3,
+    4-7, 8 rows), fewest threads kept unless more are MARGIN faster (models/trials.py). Steps run
+    on the compute thread or inline on the event loop, so the timings are kept under a lock."""
+
+    def __init__(self, settings: DecodeSettings, all_threads: int):
+        self.start = settings.threads  # until the served steps say otherwise
+        options = thread_options(all_threads) if settings.tuned else [settings.threads]
+        self._options = sorted(set(options))
+        self._trials: Trials[int] = Trials(STEP_TRIALS, STEP_REVISIT, self._best)
+        self._kept: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def _best(self, times: dict[int, deque[float]]) -> int:
+        """The fewest threads unless more are MARGIN faster; but once more threads are kept, fewer
+        take over only when they are faster, not merely within MARGIN, so that counts within
+        MARGIN of each other do not take turns at every look."""
+        size = next(size for size, seen in self._trials.seen.items() if seen is times)
+        pick, kept = _FEWEST_UNLESS_BEATEN(times), self._kept.get(size)
+        if kept is None or pick >= kept or statistics.median(times[pick]) <= statistics.median(times[kept]):
+            return pick
+        return kept
+
+    def threads(self, rows: int) -> int:
+        """The thread count to run the next step of `rows` rows on (then `timed`)."""
+        if len(self._options) == 1:
+            return self._options[0]
+        size = size_class(rows)
+        with self._lock:
+            return self._trials.choose(size, self._options, self._kept.get(size, self.start))
+
+    def timed(self, rows: int, threads: int, seconds: float) -> str | None:
+        """A step's forward took `seconds` on `threads`; what to log when the count kept changes."""
+        if len(self._options) == 1:
+            return None
+        size = size_class(rows)
+        with self._lock:
+            self._trials.add(size, threads, seconds)
+            kept = self._trials.decided(size)
+            if kept is None or kept == self._kept.get(size):
+                return None
+            self._kept[size] = kept
+            medians = "; ".join(f"{_threads(n)} {1000 * statistics.median(t):.2f} ms" for n, t in self._trials.seen[size].items())
+        return f"steps of {'1 row' if size == 1 else f'{size}+ rows'} run on {_threads(kept)} (medians as served: {medians})"
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread{'s' if n > 1 else ''}"
 
 
 def thread_options(all_threads: int) -> list[int]:

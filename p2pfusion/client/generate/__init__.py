@@ -4,6 +4,5 @@
 generation loop over a session kept across turns; `swarm_lm.py`: SwarmLM and SwarmLMSync, the
 Python APIs; `lockstep.py`: decoding sessions stepping in cohorts; `screen.py` (pure) and
 `greedy.py`: greedy tokens from the LM head; `sampling.py`, `stops.py`, `text.py`: choosing
-tokens, stop strings, text as tokens arrive; `local_layers.py`: the first layers run here;
-`trials.py`: choices learned from the client's own measurements (the head's way, the cohorts).
+tokens, stop strings, text as tokens arrive; `local_layers.py`: the first layers run here.
 """

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 
 from p2pfusion.client.generate.screen import ScreenedHead
-from p2pfusion.client.generate.trials import Trials, size_class
+from p2pfusion.models.trials import Trials, first_unless_beaten, size_class
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +37,8 @@ REVISIT = 32  # once decided, one call in this many takes another way, so the ti
 Way = tuple[int, bool]  # threads, and whether many rows are screened in bfloat16 (else float32)
 
 
-def kept_way(times: dict[Way, Sequence[float]]) -> Way:
-    """Of the ways in the order given (fewest threads first), the first that no later one beats by
-    more than MARGIN in median time."""
-    medians = {way: statistics.median(seconds) for way, seconds in times.items()}
-    ways = list(medians)
-    chosen = ways[0]
-    for way in ways[1:]:
-        if medians[way] < (1 - MARGIN) * medians[chosen]:
-            chosen = way
-    return chosen
+# of the ways in the order given (fewest threads first), the first no later one beats by MARGIN
+kept_way = first_unless_beaten(MARGIN)
 
 
 class HeadWays:
@@ -56,7 +47,7 @@ class HeadWays:
     bfloat16 (fast where the CPU multiplies it natively, slow elsewhere) or taken in float32. What
     is fastest moves with the machine's load and with what waking a thread costs at the hour, so
     the decision stands on each way's latest TRIALS timings, and the other ways are timed again now
-    and then (one call in REVISIT, in turn; generate/trials.py)."""
+    and then (one call in REVISIT, in turn; models/trials.py)."""
 
     def __init__(self, threads: list[int]):
         self._threads = threads

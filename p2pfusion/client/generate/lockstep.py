@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from p2pfusion.client.generate.trials import Trials, size_class
+from p2pfusion.models.trials import Trials, size_class
 from p2pfusion.models.source import cache_root, safe_name, write_json
 from p2pfusion.net import messages as m
 
@@ -91,7 +91,7 @@ class CohortCounts:
     """The one owner of what each cohort count gave, per size of group: member steps per second
     over windows of WINDOW seconds, the latest WINDOWS of each; the counts take turns until each
     has them (the one running first), then the faster runs, and one window in REVISIT_WINDOWS runs
-    another (generate/trials.py)."""
+    another (models/trials.py)."""
 
     def __init__(self, counts: tuple[int, ...] = COUNTS):
         self._counts = counts

@@ -1,6 +1,7 @@
-"""Choices a client learns from its own measurements, because what is fastest depends on the
-machine and on its load at the hour: how the LM head runs (generate/greedy.py) and how many
-cohorts decoding sessions step in (generate/lockstep.py).
+"""Choices learned from a node's own measurements, because what is fastest depends on the machine
+and on its load at the hour: how a client's LM head runs (client/generate/greedy.py), how many
+cohorts its decoding sessions step in (client/generate/lockstep.py), and how many threads a peer's
+one-token steps run on (peer/threads.py).
 
 `Trials` keeps the latest few measurements of each option, per size (of a call, of a group of
 sessions): the options take turns until each has them, then the best is kept, and one measurement
@@ -11,7 +12,8 @@ for good.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable
+import statistics
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
 Option = TypeVar("Option", bound=Hashable)
@@ -20,6 +22,22 @@ Option = TypeVar("Option", bound=Hashable)
 def size_class(n: int) -> int:
     """Sizes 1, 2-3, 4-7 and 8 or more (rows of a call, sessions of a group) are measured apart."""
     return 1 << (min(n, 8).bit_length() - 1)
+
+
+def first_unless_beaten(margin: float) -> Callable[[dict[Option, Sequence[float]]], Option]:
+    """Of options given cheapest first, the first that no later one beats by more than `margin`
+    (a fraction) in median: a costlier option (more threads, say) must clearly pay for itself."""
+
+    def best(times: dict[Option, Sequence[float]]) -> Option:
+        medians = {option: statistics.median(values) for option, values in times.items()}
+        options = list(medians)
+        chosen = options[0]
+        for option in options[1:]:
+            if medians[option] < (1 - margin) * medians[chosen]:
+                chosen = option
+        return chosen
+
+    return best
 
 
 class Trials(Generic[Option]):
