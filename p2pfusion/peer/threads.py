@@ -28,6 +28,7 @@ MARGIN = 0.1  # a costlier option must be this much faster to be chosen: timings
 WARM_MARGIN = 0.25  # spinning through every gap costs cores, so it must win by more
 STEP_TRIALS = 8  # a served step's latest timings per thread count that decide
 STEP_REVISIT = 64  # once decided, one step in this many runs on another count: about 1% of steps pay for it
+MOVED = 0.2  # a kept count whose steps' median moves this much has the others timed again
 _FEWEST_UNLESS_BEATEN = first_unless_beaten(MARGIN)
 
 
@@ -84,8 +85,11 @@ def choose_decode_settings(costs: list[StepCost]) -> DecodeSettings:
 class DecodeThreads:
     """The one owner of how many threads a peer's one-token steps (and batches of up to a few
     rows) run on: fixed, or learned from the served steps' own timings, per size of step (1, 2-3,
-    4-7, 8 rows), fewest threads kept unless more are MARGIN faster (models/trials.py). Steps run
-    on the compute thread or inline on the event loop, so the timings are kept under a lock."""
+    4-7, 8 rows), fewest threads kept unless more are MARGIN faster (models/trials.py). When the
+    kept count's own steps speed up or slow down by MOVED (other peers on the same cores start
+    or stop computing, say), the other counts are timed again at once rather than compared by
+    their old timings. Steps run on the compute thread or inline on the event loop, so the
+    timings are kept under a lock."""
 
     def __init__(self, settings: DecodeSettings, all_threads: int):
         self.start = settings.threads  # until the served steps say otherwise
@@ -93,6 +97,7 @@ class DecodeThreads:
         self._options = sorted(set(options))
         self._trials: Trials[int] = Trials(STEP_TRIALS, STEP_REVISIT, self._best)
         self._kept: dict[int, int] = {}
+        self._basis: dict[int, float] = {}  # the kept count's median when it was (last) decided
         self._lock = threading.Lock()
 
     def _best(self, times: dict[int, deque[float]]) -> int:
@@ -120,12 +125,27 @@ class DecodeThreads:
         size = size_class(rows)
         with self._lock:
             self._trials.add(size, threads, seconds)
+            seen = self._trials.seen[size]
+            if threads == self._kept.get(size) and self._moved(size, seen[threads]):
+                for option, values in seen.items():
+                    if option != threads:  # timed in other conditions: timed again before the next decision
+                        values.clear()
+                del self._basis[size]
             kept = self._trials.decided(size)
-            if kept is None or kept == self._kept.get(size):
+            if kept is None or (kept == self._kept.get(size) and size in self._basis):
+                return None
+            self._basis[size] = statistics.median(seen[kept])
+            if kept == self._kept.get(size):
                 return None
             self._kept[size] = kept
-            medians = "; ".join(f"{_threads(n)} {1000 * statistics.median(t):.2f} ms" for n, t in self._trials.seen[size].items())
+            medians = "; ".join(f"{_threads(n)} {1000 * statistics.median(t):.2f} ms" for n, t in seen.items())
         return f"steps of {'1 row' if size == 1 else f'{size}+ rows'} run on {_threads(kept)} (medians as served: {medians})"
+
+    def _moved(self, size: int, values: deque[float]) -> bool:
+        """Whether the kept count's steps now take MOVED more or less time than when it was chosen:
+        the machine's load changed, and the other counts' timings no longer compare."""
+        basis = self._basis.get(size)
+        return basis is not None and len(values) == STEP_TRIALS and abs(statistics.median(values) - basis) > MOVED * basis
 
 
 def _threads(n: int) -> str:
