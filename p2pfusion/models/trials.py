@@ -11,8 +11,8 @@ for good.
 
 from __future__ import annotations
 
-from collections import deque
 import statistics
+from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Generic, TypeVar
 
