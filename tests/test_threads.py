@@ -4,6 +4,9 @@ keeps."""
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -147,6 +150,16 @@ def test_threads_fixed_by_the_operator_are_never_tuned():
     threads = DecodeThreads(DecodeSettings(2, False), 4)
     used, said = serve(threads, 3 * STEP_REVISIT, {2: 50e-3}.get)
     assert set(used) == {2} and said == []
+
+
+SPIN = "import os; print(os.environ.get('GOMP_SPINCOUNT', 'default'))"
+
+
+@pytest.mark.parametrize("first, spin", [("import p2pfusion", "10000"), ("import torch, p2pfusion", "default")])
+def test_importing_the_package_before_torch_sets_openmp_s_spin(first, spin):
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    out = subprocess.run([sys.executable, "-c", f"{first}; {SPIN}"], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == spin  # torch loaded first has read the default already: it is left alone
 
 
 IDS = [3, 17, 42, 99, 5]
