@@ -17,6 +17,7 @@ keeps the thread count they say is fastest, under the load it meets.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import threading
 from collections import deque
@@ -42,7 +43,7 @@ class StepCost:
     after_idle: float
 
     def describe(self) -> str:
-        setting = f"{self.threads} thread{'s' if self.threads > 1 else ''}{' warm' if self.warm else ''}"
+        setting = f"{_threads(self.threads)}{' warm' if self.warm else ''}"
         return f"{setting} {self.back_to_back * 1000:.2f} / {self.after_idle * 1000:.2f} ms"
 
 
@@ -53,7 +54,7 @@ class DecodeSettings:
     tuned: bool = False  # the threads are then only where timing the served steps starts (`DecodeThreads`)
 
     def describe(self) -> str:
-        return f"{self.threads} thread{'s' if self.threads > 1 else ''}" + (", kept warm between steps" if self.warm else "")
+        return _threads(self.threads) + (", kept warm between steps" if self.warm else "")
 
 
 def _price(cost: StepCost) -> tuple[bool, int]:
@@ -95,16 +96,20 @@ class DecodeThreads:
         self.start = settings.threads  # until the served steps say otherwise
         options = thread_options(all_threads) if settings.tuned else [settings.threads]
         self._options = sorted(set(options))
-        self._trials: Trials[int] = Trials(STEP_TRIALS, STEP_REVISIT, self._best)
+        self._trials: dict[int, Trials[int]] = {}  # per size of step, so that each decides on its own
         self._kept: dict[int, int] = {}
         self._basis: dict[int, float] = {}  # the kept count's median when it was (last) decided
         self._lock = threading.Lock()
 
-    def _best(self, times: dict[int, deque[float]]) -> int:
+    def _trials_of(self, size: int) -> Trials[int]:
+        if size not in self._trials:
+            self._trials[size] = Trials(STEP_TRIALS, STEP_REVISIT, functools.partial(self._best, size))
+        return self._trials[size]
+
+    def _best(self, size: int, times: dict[int, deque[float]]) -> int:
         """The fewest threads unless more are MARGIN faster; but once more threads are kept, fewer
         take over only when they are faster, not merely within MARGIN, so that counts within
         MARGIN of each other do not take turns at every look."""
-        size = next(size for size, seen in self._trials.seen.items() if seen is times)
         pick, kept = _FEWEST_UNLESS_BEATEN(times), self._kept.get(size)
         if kept is None or pick >= kept or statistics.median(times[pick]) <= statistics.median(times[kept]):
             return pick
@@ -116,7 +121,7 @@ class DecodeThreads:
             return self._options[0]
         size = size_class(rows)
         with self._lock:
-            return self._trials.choose(size, self._options, self._kept.get(size, self.start))
+            return self._trials_of(size).choose(size, self._options, self._kept.get(size, self.start))
 
     def timed(self, rows: int, threads: int, seconds: float) -> str | None:
         """A step's forward took `seconds` on `threads`; what to log when the count kept changes."""
@@ -124,14 +129,15 @@ class DecodeThreads:
             return None
         size = size_class(rows)
         with self._lock:
-            self._trials.add(size, threads, seconds)
-            seen = self._trials.seen[size]
+            trials = self._trials_of(size)
+            trials.add(size, threads, seconds)
+            seen = trials.seen[size]
             if threads == self._kept.get(size) and self._moved(size, seen[threads]):
                 for option, values in seen.items():
                     if option != threads:  # timed in other conditions: timed again before the next decision
                         values.clear()
                 del self._basis[size]
-            kept = self._trials.decided(size)
+            kept = trials.decided(size)
             if kept is None or (kept == self._kept.get(size) and size in self._basis):
                 return None
             self._basis[size] = statistics.median(seen[kept])
