@@ -3,6 +3,7 @@ kept warm giving transformers' logits and the cores back), and how many threads 
 keeps."""
 
 import asyncio
+import json
 import logging
 import os
 import subprocess
@@ -17,6 +18,7 @@ from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.client.generate.greedy import REVISIT, TRIALS, HeadWays, kept_way
 from p2pfusion.models.trials import Trials
 from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.peer.benchmark import compute_benchmark, device_name
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.threads import (
     STEP_REVISIT, STEP_TRIALS, DecodeSettings, DecodeThreads, StepCost, choose_decode_settings, shares_host, thread_options,
@@ -150,6 +152,19 @@ def test_threads_fixed_by_the_operator_are_never_tuned():
     threads = DecodeThreads(DecodeSettings(2, False), 4)
     used, said = serve(threads, 3 * STEP_REVISIT, {2: 50e-3}.get)
     assert set(used) == {2} and said == []
+
+
+def test_a_benchmark_cached_on_another_machine_is_measured_again(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("P2PFUSION_CACHE", str(tmp_path))
+    source = tiny_models["llama"]
+    measured = compute_benchmark(source, "cpu", torch.float32)
+    assert measured.device_name == device_name("cpu")
+    assert compute_benchmark(source, "cpu", torch.float32) == measured  # reused: the file is read back
+    (cached,) = tmp_path.glob("benchmarks/*.json")
+    cached.write_text(json.dumps({**json.loads(cached.read_text()), "device_name": "Another CPU", "decode_threads": 99}))
+    again = compute_benchmark(source, "cpu", torch.float32)
+    assert again.device_name == device_name("cpu") and again.decode_threads in thread_options(torch.get_num_threads())
+    assert json.loads(cached.read_text())["device_name"] == device_name("cpu")
 
 
 SPIN = "import os; print(os.environ.get('GOMP_SPINCOUNT', 'default'))"

@@ -158,10 +158,14 @@ def compute_benchmark(
     if not force:
         try:
             cached = ComputeBenchmark(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            cached = None
+        here = device_name(device)
+        if cached is not None and cached.device_name == here:
             log.info("reusing the compute benchmark in %s: one-token steps on %s", path, cached.decode.describe())
             return cached
-        except (OSError, ValueError, TypeError):
-            pass
+        if cached is not None:  # a home folder shared or copied across machines
+            log.info("the cached compute benchmark was measured on %s, not %s: measuring again", cached.device_name, here)
     result = measure_compute(source, device, dtype, quant)
     log.info(
         "benchmark: %.0f layer-steps/s decoding on %s, %.0f layer-tokens/s in batches",
