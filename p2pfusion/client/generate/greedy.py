@@ -5,13 +5,17 @@ would then run the LM head on its own, a matrix-vector product over the whole vo
 Requests made in the same turn of the event loop are answered together instead: one final norm
 and one matrix product for all of them (generate/screen.py), which also sends their next steps to
 the first peer together, to be batched there.
-Fewer than BATCHED_ROWS requests go through the float16 screen one by one, which costs less then.
+Fewer than BATCHED_ROWS requests go through the float16 screen one by one, which costs less then
+where a float16 product is faster than a float32 one. On a CPU that converts float16 as it
+multiplies, the screen saves nothing: on an Intel Xeon VM, with cold caches and two threads, a
+one-row screen took 6.2 ms, and the float32 product with its top two kept apart 6.0 ms.
 
-How the head runs is learned from its own calls (`HeadWays`): on how many threads, and for many
-rows whether in bfloat16 or float32. The client idles while the swarm computes, and waking a second
-thread after that cost 6-10 ms on this project's VMs, more than a one-row screen (3 ms on one
-thread), while eight rows took 33 ms on one thread and 17 ms on two; a bfloat16 product of eight
-rows took 4 ms on a CPU with AVX512-BF16 and is slow on one without (docs/benchmarks.md). No fixed
+How the head runs is learned from its own calls (`HeadWays`): on how many threads, and whether
+screened in a narrower format (float16 for a few rows, bfloat16 for many) or taken in float32.
+The client idles while the swarm computes, and waking a second thread after that cost 6-10 ms on
+this project's VMs, more than a one-row screen (3 ms on one thread), while eight rows took 33 ms
+on one thread and 17 ms on two; a bfloat16 product of eight rows took 4 ms on a CPU with
+AVX512-BF16 and is slow on one without (docs/benchmarks.md). No fixed
 choice suits every size of call and every machine.
 """
 
@@ -34,7 +38,7 @@ TRIALS = 4  # the latest timings per way and size of call that decide, taking tu
 MARGIN = 0.1  # a later way must be this much faster: more threads take cores the peers on this host may need
 REVISIT = 32  # once decided, one call in this many takes another way, so the timings follow the machine
 
-Way = tuple[int, bool]  # threads, and whether many rows are screened in bfloat16 (else float32)
+Way = tuple[int, bool]  # threads, and whether screened narrower (float16 for few rows, bfloat16 for many) or in float32
 
 
 # of the ways in the order given (fewest threads first), the first no later one beats by MARGIN
@@ -43,8 +47,9 @@ kept_way = first_unless_beaten(MARGIN)
 
 class HeadWays:
     """The one owner of what the head's calls measured, per size of call, and the way kept for it:
-    its thread count, and for calls of BATCHED_ROWS or more, whether the product is screened in
-    bfloat16 (fast where the CPU multiplies it natively, slow elsewhere) or taken in float32. What
+    its thread count, and whether the product is screened narrower (float16 row by row for fewer
+    than BATCHED_ROWS; bfloat16 for more, fast where the CPU multiplies it natively, slow
+    elsewhere) or taken in float32. What
     is fastest moves with the machine's load and with what waking a thread costs at the hour, so
     the decision stands on each way's latest TRIALS timings, and the other ways are timed again now
     and then (one call in REVISIT, in turn; models/trials.py)."""
@@ -55,9 +60,7 @@ class HeadWays:
         self._kept: dict[int, Way] = {}
 
     def way(self, rows: int) -> Way:
-        size = size_class(rows)
-        formats = (True, False) if size >= BATCHED_ROWS else (False,)
-        return self._trials.choose(size, [(threads, low) for threads in self._threads for low in formats])
+        return self._trials.choose(size_class(rows), [(threads, low) for threads in self._threads for low in (True, False)])
 
     def timed(self, rows: int, way: Way, seconds: float) -> None:
         size = size_class(rows)
@@ -65,8 +68,8 @@ class HeadWays:
         kept = self._trials.decided(size)
         if kept is not None and kept != self._kept.get(size):
             self._kept[size] = kept
-            log.debug("the LM head runs calls of %d+ rows on %d thread(s)%s", size, kept[0],
-                      ", screened in bfloat16" if kept[1] else "")
+            log.debug("the LM head runs calls of %d+ rows on %d thread(s), %s", size, kept[0],
+                      "screened narrower" if kept[1] else "in float32")
 
 
 class HeadBatcher:
@@ -108,16 +111,16 @@ class HeadBatcher:
 
     def _screened(self, last: torch.Tensor) -> list[int | None]:
         rows, previous = last.shape[0], torch.get_num_threads()
-        threads, bfloat16 = way = self.ways.way(rows)
+        threads, narrow = way = self.ways.way(rows)
         if threads != previous:
             torch.set_num_threads(threads)
         try:
             started = time.perf_counter()
             normed = self.norm(last)[:, -1]
-            if rows < BATCHED_ROWS:
+            if rows < BATCHED_ROWS and narrow:
                 tokens = [self.screen.next_token(row) for row in normed]
             else:
-                tokens = self.screen.next_tokens(normed, bfloat16)
+                tokens = self.screen.next_tokens(normed, bfloat16=narrow)
             self.ways.timed(rows, way, time.perf_counter() - started)
             return tokens
         finally:
