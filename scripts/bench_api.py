@@ -7,12 +7,15 @@ local swarm of the default model, in one run.
   machine hits both alike): time to first token (from sending the request, or calling generate, to
   the first token's text) and decode tokens/s (tokens after the first, over the time from the first
   token to the last); medians, and the API's ratio to the core's;
-- --concurrent streams at once, distinct prompts: aggregate tokens/s (tokens after each stream's
-  first, over the time from the first stream's first token to the last stream's last token),
-  and "all decoding" (tokens chosen while every stream was decoding, over that time, as in
-  bench_load.py), through the API and the core, each over transformers' batched generate of the
-  same prompts (decode only, the better of 1 and all threads, as bench_load.py measures it), run
-  just before them; --rounds times, and the report shows the round whose API ratio is the median.
+- --concurrent streams at once, distinct prompts, after one such round through each side that is
+  not counted (peers and clients learn how to run batched steps from the first ones): aggregate
+  tokens/s (tokens after each stream's first, over the time from the first stream's first token
+  to the last stream's last token), and "all decoding" (tokens chosen while every stream was
+  decoding, over that time, as in bench_load.py), through the API and the core, each over
+  transformers' batched generate of the same prompts (decode only, the better of 1 and all
+  threads, as bench_load.py measures it), run just before them; --rounds times, the API going
+  first in the first round and the core in the next, in turn, and the report shows the round
+  whose API ratio is the median.
   With --users N, the API's streams come from N loopback addresses (127.0.0.2 on), as N people's
   would: the API shares the peers' compute among its users, each with a unit of its own there.
 The API is read as a client reads it: server-sent events over HTTP (httpx), chunks parsed as JSON.
@@ -192,12 +195,25 @@ async def bench(
                       f"ms; decode API {api.rate:.1f} tok/s, core {core.rate:.1f} tok/s ({api.tokens} tokens)",
                       file=sys.stderr)
             many = [prompt(i) for i in range(args.concurrent)]
-            for _ in range(args.rounds):
-                local = reference()
-                api = list(await asyncio.gather(*(
+
+            async def through_api() -> list[Stream]:
+                return list(await asyncio.gather(*(
                     via_api(users[i % len(users)], url, source.name, p, args.tokens) for i, p in enumerate(many)
                 )))
-                core = list(await asyncio.gather(*(via_core(model, p, args.tokens) for p in many)))
+
+            async def through_core() -> list[Stream]:
+                return list(await asyncio.gather(*(via_core(model, p, args.tokens) for p in many)))
+
+            # warm-up at this size: the peers' threads for batched steps, and each client's cohorts
+            # and head, are learned from the first such steps; whichever side ran first paid for both
+            await through_api()
+            await through_core()
+            for n in range(args.rounds):
+                local = reference()
+                if n % 2:  # the sides take turns going first, as a machine's load drifts within a round
+                    core, api = await through_core(), await through_api()
+                else:
+                    api, core = await through_api(), await through_core()
                 results.rounds.append(Round(local, api, core))
                 print(f"{args.concurrent} streams through the API: {aggregate(api):.1f} tok/s, in the core "
                       f"{aggregate(core):.1f} (all decoding {all_decoding(api):.1f} and {all_decoding(core):.1f}; "
