@@ -96,7 +96,7 @@ class StageCompute:
             self._gap = 0.7 * self._gap + 0.3 * (t0 - self._small_done)
         if session.training:
             out = await self._run(session, batch * tokens, True, self._train_forward, session, inputs)
-        elif self._batchable(session, inputs) and not self._runs_inline(session, batch):
+        elif self._batchable(session, inputs) and self._shared():
             out = await self.scheduler.run_batched(
                 session.client, batch, id(session.stage), self._infer_batch, (session, inputs),
                 None if inputs.cohort is None else (inputs.cohort.tag, inputs.cohort.size),
@@ -107,7 +107,8 @@ class StageCompute:
             while a < tokens:
                 b = min(tokens, a + max(1, self._chunk_rows() // batch))
                 rows = batch * (b - a)
-                outs.append(await self._run(session, rows, tokens > 1, self._infer, session, inputs, a, b, alone=not beside))
+                bulk = tokens > 1 and rows > SMALL_STEP_ROWS  # a few positions (drafts) run as decode steps do
+                outs.append(await self._run(session, rows, bulk, self._infer, session, inputs, a, b, alone=not beside))
                 a = b
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         done = time.perf_counter()
@@ -145,8 +146,6 @@ class StageCompute:
         return result, time.perf_counter() - t0
 
     async def _run(self, session: Session, rows: int, prefill: bool, fn, *args, alone: bool = True):
-        if self._runs_inline(session, rows):
-            return fn(*args)
         return await self.scheduler.run(session.client, rows, prefill, fn, *args, alone=alone)
 
     @staticmethod
@@ -159,18 +158,6 @@ class StageCompute:
         return (
             not session.training and inputs.params is None and stage.batchable and stage.device.type == "cpu"
             and stage.format not in QUANTS and not session.cache.grouped
-        )
-
-    def _runs_inline(self, session: Session, rows: int) -> bool:
-        """A decoding step of a token or two runs on the event loop's own thread: handing it to the
-        compute thread and back wakes two threads, which cost 0.3-0.7 ms of a 12 ms step here
-        (docs/benchmarks.md). Only while the compute thread is idle, because steps must not
-        interleave (an adapter hooks the shared module for the length of its step), and only
-        while no other session is open: the loop must stay free to queue their steps, which then
-        run as one batch. Never while kept warm: the warm threads are the compute thread's."""
-        return (
-            not self.warm and not session.training and self.scheduler.idle and rows <= SMALL_STEP_ROWS
-            and not self._shared()
         )
 
     def _threads_for(self, rows: int) -> int:

@@ -40,7 +40,7 @@ from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.reports import ReportCheck
 from p2pfusion.peer.server import StageServer
 from p2pfusion.peer.run_service import ReplicaService, join_run
-from p2pfusion.peer.threads import DecodeSettings
+from p2pfusion.peer.threads import DecodeSettings, in_fresh_thread
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ class Peer:
         reachable = await self._reachable(records)  # BehindNat: the caller joins again, relayed
         if self.options.metrics_port is not None:  # before any long work: a port taken fails the start
             self.exporter = serve_metrics(self.metrics.registry, self.options.metrics_host, self.options.metrics_port)
-        bench = await asyncio.to_thread(self._benchmark)
+        bench = await in_fresh_thread(self._benchmark)  # its torch threads end with it (peer/threads.py)
         network_rate, rtt = await self._measure_links(records)
         fit = self._layers_that_fit()
         if self.options.layers is not None and self.options.max_memory is not None:
@@ -359,7 +359,7 @@ class Peer:
         log.info("loading layers %d:%d of %s", start, end, self.model)
         t0 = time.perf_counter()
         options = self.options
-        stage = await asyncio.to_thread(load_stage, options.source, start, end, options.dtype, options.device, options.quant)
+        stage = await in_fresh_thread(load_stage, options.source, start, end, options.dtype, options.device, options.quant)
         self.reload_seconds_per_layer = (time.perf_counter() - t0) / (end - start)
         return stage
 

@@ -2,7 +2,8 @@
 
 Steps run one at a time (torch already uses every core per op, and an adapter hooks the shared
 module for the length of its step), with one exception below. Decode steps run on one thread;
-prefill chunks and training steps on another, of lower OS priority: where processes share cores
+prefill chunks and training steps each on a thread of their own that ends with them (so that no
+idle OpenMP pool is left to slow the decode steps, peer/threads.py), of lower OS priority: where processes share cores
 (several peers on one host, a volunteer's own work), bulk work yields the CPU to latency-bound
 work, and on a machine of its own it loses nothing (docs/benchmarks.md, Many users at once: the
 normal clients' p99 beside a prefill flood went from about 2x to 1.6-1.7x). The exception: a bulk
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from p2pfusion.peer.batching import Pending, charged, connection_of, next_batch, served, unready
+from p2pfusion.peer.threads import FreshThreads
 
 BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their results, in order
 # While sessions share the peer, an idle thread takes a decode step a moment after it arrives,
@@ -61,7 +63,7 @@ def _lower_priority() -> None:
 
 @dataclass
 class Stats:
-    steps: int = 0  # jobs run on the compute thread (a lone session's small steps run inline, uncounted)
+    steps: int = 0  # jobs run on the compute threads
     batches: int = 0  # forwards that ran two or more jobs together
     batched_steps: int = 0  # jobs that ran in those
     cohort_steps: int = 0  # jobs that named the cohort their client sent them in
@@ -79,7 +81,7 @@ class _Job:
 class Scheduler:
     def __init__(self):
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage")
-        self._bulk = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stage-bulk", initializer=_lower_priority)
+        self._bulk = FreshThreads("stage-bulk", initializer=_lower_priority)
         self._jobs: list[_Job] = []
         self._running: dict[bool, _Job] = {}  # what runs (a batch's first job), by lane (bulk: True)
         self._after_prefill = False
