@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -22,7 +21,6 @@ from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.peer.benchmark import compute_benchmark, device_name
 from p2pfusion.peer.compute import StageCompute
 from p2pfusion.peer.threads import (
-    FreshThreads,
     STEP_REVISIT, STEP_TRIALS, DecodeSettings, DecodeThreads, StepCost, choose_decode_settings, shares_host, thread_options,
 )
 from tests.conftest import reference_model
@@ -277,14 +275,3 @@ def test_the_client_head_keeps_the_way_its_own_calls_found_faster():
             trying.add(1, way, seconds)
     assert trying.decided(1) is None and trying.choose(1, []) == (2, False)  # still trying: its turn
 
-
-def test_fresh_threads_run_each_job_on_a_thread_that_ends_with_it():
-    lanes = FreshThreads("test-fresh")
-    first = lanes.submit(threading.get_native_id).result(timeout=10)
-    second = lanes.submit(threading.get_native_id).result(timeout=10)
-    lanes.shutdown(wait=True)
-    live = {thread.native_id for thread in threading.enumerate()}
-    assert first != threading.get_native_id() and first not in live and second not in live
-    failed = lanes.submit(int, "not a number")
-    with pytest.raises(ValueError):
-        failed.result(timeout=10)  # the job's own error reaches the caller

@@ -23,7 +23,9 @@ doing a third less of the work, as soon as a second thread had run one prefill o
 (docs/benchmarks.md). So one-token steps all run on one long-lived compute thread, and bulk work,
 loading and benchmarking each run on a thread of their own that ends with the job
 (`FreshThreads`), taking its pool with it. What the event loop's thread computes itself (a
-step's receipt) runs on that thread alone (`one_thread`), so that it makes no pool either.
+step's receipt) runs on that thread alone (`one_thread`), and what it only fills (a link probe's
+payload, net/probe.py) is filled by Python, so that it makes no pool either
+(tests/test_openmp_pools.py).
 """
 
 from __future__ import annotations

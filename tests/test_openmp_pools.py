@@ -1,0 +1,81 @@
+"""A peer keeps one OpenMP pool: its one-token steps' (peer/threads.py says why it matters)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import pytest
+import uvloop
+
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.peer.threads import FreshThreads
+
+# Two peers of the default model on this process's main thread, its OS name set first: threads
+# it starts inherit the name, libgomp's workers too, and Python's own threads are left out. The
+# peers decode on one thread, so nothing they serve needs a pool that outlives its job, and no
+# native thread of the loop's should be left once they serve (none is, once they have started).
+PEERS = """
+import asyncio, ctypes, os, sys, threading
+ctypes.CDLL(None).prctl(15, b"peer-loop", 0, 0, 0)
+import p2pfusion, uvloop
+from p2pfusion.models.source import resolve_model
+from tests.swarm import running_peers
+
+def native_threads_of_the_loop():
+    python = {t.native_id for t in threading.enumerate()}
+    return sum(1 for t in os.listdir("/proc/self/task")
+               if int(t) not in python and open(f"/proc/self/task/{t}/comm").read().strip() == "peer-loop")
+
+async def main():
+    async with running_peers(resolve_model(None), [(0, 15), (15, 30)], decode_threads="1") as (peers, maddrs):
+        print(" ".join(maddrs), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        await asyncio.sleep(0.5)  # the last prefill's thread ends
+        print(native_threads_of_the_loop(), flush=True)
+
+uvloop.run(main())
+"""
+
+
+async def _generate(maddrs: list[str], source) -> list[int]:
+    swarm = await join_swarm(maddrs, client_mode=True)
+    try:
+        model = RemoteCausalLM.build(source, swarm)
+        ids = model.encode("Name three colours.", chat=True)
+        out = await model.generate(ids, 6, stop_at_eos=False)
+        return out.token_ids
+    finally:
+        await swarm.shutdown()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and names threads with prctl")
+def test_serving_leaves_no_openmp_pool_beside_the_decode_threads(default_model):
+    peers = subprocess.Popen([sys.executable, "-c", PEERS], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        maddrs = peers.stdout.readline().split()
+        assert maddrs, "the peers did not start"
+        tokens = uvloop.run(_generate(maddrs, default_model))
+        assert len(tokens) == 6
+        peers.stdin.write("\n")
+        peers.stdin.flush()
+        # a prompt's chunks, loading, the benchmark, link probes and receipts ran torch here: any
+        # pool of theirs still alive would throttle every decode step's workers
+        assert peers.stdout.readline().strip() == "0"
+    finally:
+        peers.kill()
+        peers.wait()
+
+
+def test_fresh_threads_run_each_job_on_a_thread_that_ends_with_it():
+    lanes = FreshThreads("test-fresh")
+    first = lanes.submit(threading.get_native_id).result(timeout=10)
+    second = lanes.submit(threading.get_native_id).result(timeout=10)
+    lanes.shutdown(wait=True)
+    live = {thread.native_id for thread in threading.enumerate()}
+    assert first != threading.get_native_id() and first not in live and second not in live
+    failed = lanes.submit(int, "not a number")
+    with pytest.raises(ValueError):
+        failed.result(timeout=10)  # the job's own error reaches the caller
