@@ -1,4 +1,4 @@
-"""A peer keeps one OpenMP pool: its one-token steps' (peer/threads.py says why it matters)."""
+"""A peer keeps one OpenMP pool: its one-token steps' (models/threads.py says why it matters)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import uvloop
 
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
-from p2pfusion.peer.threads import FreshThreads
+from p2pfusion.models.threads import FreshThreads
 
 # Two peers of the default model on this process's main thread, its OS name set first: threads
 # it starts inherit the name, libgomp's workers too, and Python's own threads are left out. The

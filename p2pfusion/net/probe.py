@@ -115,7 +115,7 @@ async def _measure(transport: Transport, peer_id: str, data_addrs: list[str], pa
     async with _stream(transport, peer_id, data_addrs) as (reader, writer):
         rtt = await _round_trips(reader, writer, None, rounds=5)
         # zeros Python makes: torch would fill them on several threads, and the event loop's thread
-        # must not start an OpenMP pool of its own (peer/threads.py)
+        # must not start an OpenMP pool of its own (models/threads.py)
         payload = torch.frombuffer(bytearray(payload_bytes - payload_bytes % 4), dtype=torch.float32)
         seconds = await _round_trips(reader, writer, payload, rounds=2)
     return LinkSpeed(rtt=rtt, bytes_per_second=2 * payload_bytes / max(seconds - rtt, 1e-9))

@@ -22,6 +22,7 @@ from p2pfusion.errors import BehindNat, ConfigError, ModelError
 from p2pfusion.models.formats import WeightFormat, layer_sizes, load_quantizer, weight_format
 from p2pfusion.models.source import ModelSource
 from p2pfusion.models.stage import Stage, load_config, load_stage
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net import circuits, probe, reach
 from p2pfusion.net.compression import AUTO, Compression
 from p2pfusion.net.links import LinkBook
@@ -40,7 +41,7 @@ from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
 from p2pfusion.peer.reports import ReportCheck
 from p2pfusion.peer.server import StageServer
 from p2pfusion.peer.run_service import ReplicaService, join_run
-from p2pfusion.peer.threads import DecodeSettings, in_fresh_thread
+from p2pfusion.peer.threads import DecodeSettings
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +209,7 @@ class Peer:
         reachable = await self._reachable(records)  # BehindNat: the caller joins again, relayed
         if self.options.metrics_port is not None:  # before any long work: a port taken fails the start
             self.exporter = serve_metrics(self.metrics.registry, self.options.metrics_host, self.options.metrics_port)
-        bench = await in_fresh_thread(self._benchmark)  # its torch threads end with it (peer/threads.py)
+        bench = await in_fresh_thread(self._benchmark)  # its torch threads end with it (models/threads.py)
         network_rate, rtt = await self._measure_links(records)
         fit = self._layers_that_fit()
         if self.options.layers is not None and self.options.max_memory is not None:

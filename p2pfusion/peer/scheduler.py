@@ -3,7 +3,7 @@
 Steps run one at a time (torch already uses every core per op, and an adapter hooks the shared
 module for the length of its step), with one exception below. Decode steps run on one thread;
 prefill chunks and training steps each on a thread of their own that ends with them (so that no
-idle OpenMP pool is left to slow the decode steps, peer/threads.py), of lower OS priority: where processes share cores
+idle OpenMP pool is left to slow the decode steps, models/threads.py), of lower OS priority: where processes share cores
 (several peers on one host, a volunteer's own work), bulk work yields the CPU to latency-bound
 work, and on a machine of its own it loses nothing (docs/benchmarks.md, Many users at once: the
 normal clients' p99 beside a prefill flood went from about 2x to 1.6-1.7x). The exception: a bulk
@@ -30,8 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from p2pfusion.models.threads import FreshThreads
 from p2pfusion.peer.batching import Pending, charged, connection_of, next_batch, served, unready
-from p2pfusion.peer.threads import FreshThreads
 
 BatchRunner = Callable[[list[Any]], list[Any]]  # items of one key -> their results, in order
 # While sessions share the peer, an idle thread takes a decode step a moment after it arrives,

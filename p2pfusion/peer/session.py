@@ -25,8 +25,8 @@ from p2pfusion.net.compression import AUTO, Codec, Compression, LinkSpeed, Purpo
 from p2pfusion.net.framing import UNLIMITED, FrameLimits
 from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
 from p2pfusion.net.receipts import ReceiptChain
+from p2pfusion.models.threads import one_thread
 from p2pfusion.peer.batching import UNIT_SEPARATOR
-from p2pfusion.peer.threads import one_thread
 
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a stage casts them to its own
 
@@ -117,7 +117,7 @@ class Session:
         codec = Codec(packed.spec["codec"])
         sent = out if codec == Codec.NONE else unpack(packed.spec, packed.body())
         offset = self.position - hidden.shape[1]
-        with one_thread():  # on the event loop's thread, which must make no OpenMP pool (peer/threads.py)
+        with one_thread():  # on the event loop's thread, which must make no OpenMP pool (models/threads.py)
             receipt = self.receipts.receipt(message.step, offset, hidden, sent, codec)
         certs = [*message.certs, self.receipts.key.cert] if offset == 0 else message.certs
         return {"receipts": [*message.receipts, receipt], "certs": certs}

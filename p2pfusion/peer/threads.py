@@ -14,33 +14,17 @@ kept one thread where two made steps a third shorter. So a peer whose threads we
 `--decode-threads` goes on timing its own one-token steps as it serves (`DecodeThreads`), and
 keeps the thread count they say is fastest, under the load it meets.
 
-Which threads run torch matters as much as how many. OpenMP (libgomp, in torch's Linux wheels)
-keeps a pool of workers for every thread that has run parallel work, for as long as that thread
-lives, and once the pools hold more threads than the machine has cores it cuts its workers' spin
-between ops to almost nothing, for every pool: each op of a step then wakes its workers from
-sleep. On the Intel VM a 10-layer step went from 10.2-11.3 ms to 13.5-16.5 ms, its second thread
-doing a third less of the work, as soon as a second thread had run one prefill on two threads
-(docs/benchmarks.md). So one-token steps all run on one long-lived compute thread, and bulk work,
-loading and benchmarking each run on a thread of their own that ends with the job
-(`FreshThreads`), taking its pool with it. What the event loop's thread computes itself (a
-step's receipt) runs on that thread alone (`one_thread`), and what it only fills (a link probe's
-payload, net/probe.py) is filled by Python, so that it makes no pool either
-(tests/test_openmp_pools.py).
+Which threads run torch matters as much (models/threads.py): one-token steps all run on one
+long-lived compute thread, and everything else a peer computes on threads that end with the job.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import statistics
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future
-from contextlib import contextmanager
 from dataclasses import dataclass
-
-import torch
 
 from p2pfusion.models.trials import Trials, first_unless_beaten, size_class
 
@@ -199,59 +183,3 @@ def shares_host(mine: list[str], others: list[list[str]]) -> bool:
     hosts = {_host(address) for address in mine}
     return any(_host(address) in hosts for addresses in others for address in addresses)
 
-
-class FreshThreads(Executor):
-    """Runs each job on a new thread that ends with it, so that the OpenMP pool the job's torch ops
-    made ends too (see above). Starting a thread and its pool costs well under a millisecond: for
-    prefill chunks, training steps, loading and benchmarks, not for one-token steps."""
-
-    def __init__(self, name: str, initializer: Callable[[], None] | None = None):
-        self._name = name
-        self._initializer = initializer
-        self._live: set[threading.Thread] = set()
-        self._lock = threading.Lock()
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-
-        def run() -> None:
-            try:
-                if future.set_running_or_notify_cancel():
-                    if self._initializer is not None:
-                        self._initializer()
-                    try:
-                        future.set_result(fn(*args, **kwargs))
-                    except BaseException as exc:  # the job's own error, raised again where it is awaited
-                        future.set_exception(exc)
-            finally:
-                with self._lock:
-                    self._live.discard(threading.current_thread())
-
-        thread = threading.Thread(target=run, name=self._name, daemon=True)
-        with self._lock:
-            self._live.add(thread)
-        thread.start()
-        return future
-
-    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        if wait:
-            with self._lock:
-                live = list(self._live)
-            for thread in live:
-                thread.join()
-
-
-async def in_fresh_thread(fn: Callable, *args):
-    """`fn(*args)` on a thread of its own that ends with it (`FreshThreads`)."""
-    return await asyncio.get_running_loop().run_in_executor(FreshThreads(getattr(fn, "__name__", "job")), fn, *args)
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Torch ops on the calling thread alone, for small work on the event loop's thread."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

@@ -11,7 +11,6 @@ comparison's bar comes from the weight formats of the peers compared (client/che
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import torch
@@ -32,6 +31,7 @@ from p2pfusion.client.route.failover import LONG_STEP_TIMEOUT, ResilientSession
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net.compression import Codec
 
 log = logging.getLogger(__name__)
@@ -191,7 +191,7 @@ class Blame:
         if self.session.params is not None or hidden.shape[0] != 1:
             return set()
         boundaries = sorted({r.start for r in route} | {r.end for r in route})
-        states = await asyncio.to_thread(self.distrust.recomputer.through, hidden, route[0].start, boundaries, positions, mask)
+        states = await in_fresh_thread(self.distrust.recomputer.through, hidden, route[0].start, boundaries, positions, mask)
         if states is None:
             return set()
         caught, banned = set(), inconsistent(route, signed.receipts, signed.session_id)

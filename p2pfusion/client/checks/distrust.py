@@ -20,6 +20,7 @@ from p2pfusion.client.checks.evidence import judge_report
 from p2pfusion.client.checks.local import Recomputer
 from p2pfusion.client.route.access import SwarmAccess
 from p2pfusion.dht.records import FaultReport, PeerRecord, PeerState
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net.wire import encode
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class Distrust:
             if reporter in self.discredited or key in self._verdicts or fresh >= JUDGED_PER_READ:
                 continue
             fresh += 1
-            judgement = await asyncio.to_thread(judge_report, report, self.recomputer)
+            judgement = await in_fresh_thread(judge_report, report, self.recomputer)
             if judgement is None:
                 continue  # the model is too large to judge here: no verdict either way
             self._verdicts[key] = judgement.guilty

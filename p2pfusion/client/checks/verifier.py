@@ -39,6 +39,7 @@ from p2pfusion.client.route.planner import format_ranges
 from p2pfusion.client.route.session import RouteSession
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RouteError
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net import messages as m
 from p2pfusion.net.compression import Codec
 
@@ -191,7 +192,7 @@ class Verifier:
         if self.logits is None or not chose:
             return None
         at = torch.tensor(chose)
-        same, distance = await asyncio.to_thread(self._read, claimed[:, at], other[:, at])
+        same, distance = await in_fresh_thread(self._read, claimed[:, at], other[:, at])
         differ = ~same | (distance > shift)
         mask = self._window_mask(start, end)
         if mask is not None:
@@ -209,7 +210,7 @@ class Verifier:
         the compute dtype round (the same peers computed both, so their formats add nothing)."""
         if replayed is None:
             return True
-        same, distance = await asyncio.to_thread(self._read, claimed, replayed)
+        same, distance = await in_fresh_thread(self._read, claimed, replayed)
         if bool(same.all()) and float(distance.max()) <= self.blame.shift_bar(list(route), wire):
             return True
         return float(relative_errors(claimed, replayed).max()) <= tolerance(self.access.compression, self.dtype, (), wire)

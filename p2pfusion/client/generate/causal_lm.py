@@ -35,6 +35,7 @@ from p2pfusion.errors import PromptTooLong, RequestError, RouteError
 from p2pfusion.models.kv_cache import batchable
 from p2pfusion.models.source import ModelSource
 from p2pfusion.dht.swarm import SwarmNode
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net.compression import Purpose
 
 log = logging.getLogger(__name__)
@@ -220,7 +221,7 @@ class RemoteCausalLM:
         if name is None or not self.speculates():
             return None
         if self._draft is None:
-            self._draft = asyncio.ensure_future(asyncio.to_thread(DraftModel.load, name, self.source, self.config))
+            self._draft = asyncio.ensure_future(in_fresh_thread(DraftModel.load, name, self.source, self.config))
         return await asyncio.shield(self._draft)
 
     @torch.inference_mode()

@@ -31,6 +31,7 @@ from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.models.kv_cache import SessionCache
 from p2pfusion.models.stage import Stage, load_stage
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.models.tuning import StageParams, stage_params
 
 log = logging.getLogger(__name__)
@@ -91,8 +92,9 @@ class LocalRun:
             cache, inputs, offset = self.stage.new_cache(), torch.cat([*self._inputs, embeds], dim=1), 0
         else:
             inputs, offset = embeds, self.position
-        # a worker thread: a long prompt's prefill here must not stall the other sessions' network
-        out = await asyncio.to_thread(self.stage.forward, inputs, offset, cache, None, None, self.params)
+        # a thread of its own: a long prompt's prefill here must not stall the other sessions'
+        # network, and its OpenMP pool must not outlive it (models/threads.py)
+        out = await in_fresh_thread(self.stage.forward, inputs, offset, cache, None, None, self.params)
         self._cache = cache
         self._inputs.append(embeds)
         return out[:, -embeds.shape[1]:].to(embeds.dtype)
@@ -144,7 +146,7 @@ class LocalLayers:
             not task.done() and task.get_loop() is not asyncio.get_running_loop()
         ):
             starts = ", ".join(map(str, stage_starts(records, access.num_layers, avoid)))
-            task = self._stages[end] = asyncio.ensure_future(asyncio.to_thread(self._load, end, starts))
+            task = self._stages[end] = asyncio.ensure_future(in_fresh_thread(self._load, end, starts))
         return LocalRun(await asyncio.shield(task), None if adapter is None else adapter.session_params())
 
     def _load(self, end: int, starts: str) -> Stage:
