@@ -22,10 +22,13 @@ from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 
 import torch
+
+
 class FreshThreads(Executor):
     """Runs each job on a new thread that ends with it, so that the OpenMP pool the job's torch ops
-    made ends too (see the module's docstring). Starting a thread and its pool costs well under a millisecond: for
-    prefill chunks, training steps, loading and benchmarks, not for one-token steps."""
+    made ends too. Starting the thread and its pool costs a fraction of a millisecond: small
+    beside a job of a few milliseconds or more; a peer's one-token steps, its most frequent job,
+    keep their long-lived thread."""
 
     def __init__(self, name: str, initializer: Callable[[], None] | None = None):
         self._name = name

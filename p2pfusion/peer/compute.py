@@ -95,7 +95,7 @@ class StageCompute:
         if small and self._small_done is not None:
             self._gap = 0.7 * self._gap + 0.3 * (t0 - self._small_done)
         if session.training:
-            out = await self._run(session, batch * tokens, True, self._train_forward, session, inputs)
+            out = await self.scheduler.run(session.client, batch * tokens, True, self._train_forward, session, inputs)
         elif self._batchable(session, inputs) and self._shared():
             out = await self.scheduler.run_batched(
                 session.client, batch, id(session.stage), self._infer_batch, (session, inputs),
@@ -108,7 +108,9 @@ class StageCompute:
                 b = min(tokens, a + max(1, self._chunk_rows() // batch))
                 rows = batch * (b - a)
                 bulk = tokens > 1 and rows > SMALL_STEP_ROWS  # a few positions (drafts) run as decode steps do
-                outs.append(await self._run(session, rows, bulk, self._infer, session, inputs, a, b, alone=not beside))
+                outs.append(await self.scheduler.run(
+                    session.client, rows, bulk, self._infer, session, inputs, a, b, alone=not beside
+                ))
                 a = b
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
         done = time.perf_counter()
@@ -140,13 +142,10 @@ class StageCompute:
         t0 = time.perf_counter()
         try:
             rows = inputs.hidden.shape[0] * inputs.hidden.shape[1]
-            result = await self._run(session, rows, True, self._backward, session, inputs, grad)
+            result = await self.scheduler.run(session.client, rows, True, self._backward, session, inputs, grad)
         finally:
             self.release_graph(inputs)
         return result, time.perf_counter() - t0
-
-    async def _run(self, session: Session, rows: int, prefill: bool, fn, *args, alone: bool = True):
-        return await self.scheduler.run(session.client, rows, prefill, fn, *args, alone=alone)
 
     @staticmethod
     def _lets_others_run(session: Session, inputs: StepInputs) -> bool:

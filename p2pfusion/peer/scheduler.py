@@ -3,15 +3,16 @@
 Steps run one at a time (torch already uses every core per op, and an adapter hooks the shared
 module for the length of its step), with one exception below. Decode steps run on one thread;
 prefill chunks and training steps each on a thread of their own that ends with them (so that no
-idle OpenMP pool is left to slow the decode steps, models/threads.py), of lower OS priority: where processes share cores
-(several peers on one host, a volunteer's own work), bulk work yields the CPU to latency-bound
-work, and on a machine of its own it loses nothing (docs/benchmarks.md, Many users at once: the
-normal clients' p99 beside a prefill flood went from about 2x to 1.6-1.7x). The exception: a bulk
-job that lets others run beside it (an inference prefill chunk that hooks nothing on the shared
-module and touches no other session's cache; `peer.compute` says which) does not hold up the
-decode steps of units served no more than its own: they start on their own thread while it runs,
-and the OS gives them the cores first, so a decode step does not wait for a chunk to end. A busier
-unit's decode steps wait for the chunk, as they would for any job of a unit served less.
+idle OpenMP pool is left to slow the decode steps, models/threads.py), of lower OS priority: where
+processes share cores (several peers on one host, a volunteer's own work), bulk work yields the
+CPU to latency-bound work, and on a machine of its own it loses nothing (docs/benchmarks.md, Many
+users at once: the normal clients' p99 beside a prefill flood went from about 2x to 1.6-1.7x). The
+exception: a bulk job that lets others run beside it (an inference prefill chunk that hooks
+nothing on the shared module and touches no other session's cache; `peer.compute` says which) does
+not hold up the decode steps of units served no more than its own: they start on their own thread
+while it runs, and the OS gives them the cores first, so a decode step does not wait for a chunk
+to end. A busier unit's decode steps wait for the chunk, as they would for any job of a unit
+served less.
 `peer.batching.next_batch` decides what runs next and which decode steps run together; this
 module keeps the queue, charges each source the compute time its jobs took, and hands results
 back to the sessions' tasks.

@@ -19,13 +19,13 @@ from p2pfusion.errors import RequestError
 from p2pfusion.models.kv_cache import SessionCache
 from p2pfusion.models.tuning import StageParams, layer_of, stage_params
 from p2pfusion.models.stage import Graph, Stage
+from p2pfusion.models.threads import one_thread
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import ErrorFeedback, Packed, pack, unpack
 from p2pfusion.net.compression import AUTO, Codec, Compression, LinkSpeed, Purpose, choose_codec
 from p2pfusion.net.framing import UNLIMITED, FrameLimits
 from p2pfusion.net.payloads import mask_from_wire, positions_from_wire, unflatten
 from p2pfusion.net.receipts import ReceiptChain
-from p2pfusion.models.threads import one_thread
 from p2pfusion.peer.batching import UNIT_SEPARATOR
 
 HIDDEN_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # a stage casts them to its own

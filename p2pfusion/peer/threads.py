@@ -182,4 +182,3 @@ def shares_host(mine: list[str], others: list[list[str]]) -> bool:
     alike too; they merely lose the spin."""
     hosts = {_host(address) for address in mine}
     return any(_host(address) in hosts for addresses in others for address in addresses)
-
