@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 # op, libgomp's threads spin before they sleep: by default 300,000 pauses, 6 ms of a core on an
 # Intel Xeon VM (0.4 ms with 10,000), so a client's head held a core through the first peer's step
 # there (20 ms against 16 for the others, docs/benchmarks.md). 10,000 keeps the threads warm
-# between one step's ops; never spinning (OMP_WAIT_POLICY=PASSIVE) made batch steps 18% slower. libgomp reads it when torch loads: code that imported torch first
-# keeps its own.
+# between one step's ops; never spinning (OMP_WAIT_POLICY=PASSIVE) made batch steps 18% slower.
+# libgomp reads it when torch loads: code that imported torch first keeps its own.
 if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
     os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 

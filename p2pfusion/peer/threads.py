@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-import threading
 from collections import deque
 from dataclasses import dataclass
 
@@ -92,8 +91,7 @@ class DecodeThreads:
     4-7, 8 rows), fewest threads kept unless more are MARGIN faster (models/trials.py). When the
     kept count's own steps speed up or slow down by MOVED (other peers on the same cores start
     or stop computing, say), the other counts are timed again at once rather than compared by
-    their old timings. Steps run on the compute thread or inline on the event loop, so the
-    timings are kept under a lock."""
+    their old timings. Only the compute thread calls it: every small step runs there."""
 
     def __init__(self, settings: DecodeSettings, all_threads: int):
         self.start = settings.threads  # until the served steps say otherwise
@@ -102,7 +100,6 @@ class DecodeThreads:
         self._trials: dict[int, Trials[int]] = {}  # per size of step, so that each decides on its own
         self._kept: dict[int, int] = {}
         self._basis: dict[int, float] = {}  # the kept count's median when it was (last) decided
-        self._lock = threading.Lock()
 
     def _trials_of(self, size: int) -> Trials[int]:
         if size not in self._trials:
@@ -123,31 +120,29 @@ class DecodeThreads:
         if len(self._options) == 1:
             return self._options[0]
         size = size_class(rows)
-        with self._lock:
-            return self._trials_of(size).choose(size, self._options, self._kept.get(size, self.start))
+        return self._trials_of(size).choose(size, self._options, self._kept.get(size, self.start))
 
     def timed(self, rows: int, threads: int, seconds: float) -> str | None:
         """A step's forward took `seconds` on `threads`; what to log when the count kept changes."""
         if len(self._options) == 1:
             return None
         size = size_class(rows)
-        with self._lock:
-            trials = self._trials_of(size)
-            trials.add(size, threads, seconds)
-            seen = trials.seen[size]
-            if threads == self._kept.get(size) and self._moved(size, seen[threads]):
-                for option, values in seen.items():
-                    if option != threads:  # timed in other conditions: timed again before the next decision
-                        values.clear()
-                del self._basis[size]
-            kept = trials.decided(size)
-            if kept is None or (kept == self._kept.get(size) and size in self._basis):
-                return None
-            self._basis[size] = statistics.median(seen[kept])
-            if kept == self._kept.get(size):
-                return None
-            self._kept[size] = kept
-            medians = "; ".join(f"{_threads(n)} {1000 * statistics.median(t):.2f} ms" for n, t in seen.items())
+        trials = self._trials_of(size)
+        trials.add(size, threads, seconds)
+        seen = trials.seen[size]
+        if threads == self._kept.get(size) and self._moved(size, seen[threads]):
+            for option, values in seen.items():
+                if option != threads:  # timed in other conditions: timed again before the next decision
+                    values.clear()
+            del self._basis[size]
+        kept = trials.decided(size)
+        if kept is None or (kept == self._kept.get(size) and size in self._basis):
+            return None
+        self._basis[size] = statistics.median(seen[kept])
+        if kept == self._kept.get(size):
+            return None
+        self._kept[size] = kept
+        medians = "; ".join(f"{_threads(n)} {1000 * statistics.median(t):.2f} ms" for n, t in seen.items())
         return f"steps of {'1 row' if size == 1 else f'{size}+ rows'} run on {_threads(kept)} (medians as served: {medians})"
 
     def _moved(self, size: int, values: deque[float]) -> bool:

@@ -11,12 +11,12 @@ multiplies, the screen saves nothing: on an Intel Xeon VM, with cold caches and 
 one-row screen took 6.2 ms, and the float32 product with its top two kept apart 6.0 ms.
 
 How the head runs is learned from its own calls (`HeadWays`): on how many threads, and whether
-screened in a narrower format (float16 for a few rows, bfloat16 for many) or taken in float32.
-The client idles while the swarm computes, and waking a second thread after that cost 6-10 ms on
-this project's VMs, more than a one-row screen (3 ms on one thread), while eight rows took 33 ms
-on one thread and 17 ms on two; a bfloat16 product of eight rows took 4 ms on a CPU with
-AVX512-BF16 and is slow on one without (docs/benchmarks.md). No fixed
-choice suits every size of call and every machine.
+screened in a narrower format (float16 for a few rows, bfloat16 for many) or taken in float32. The
+client idles while the swarm computes, and waking a second thread after that cost 6-10 ms on this
+project's VMs, more than a one-row screen (3 ms on one thread), while eight rows took 33 ms on one
+thread and 17 ms on two; a bfloat16 product of eight rows took 4 ms on a CPU with AVX512-BF16 and
+is slow on one without (docs/benchmarks.md). No fixed choice suits every size of call and every
+machine.
 """
 
 from __future__ import annotations
@@ -49,10 +49,10 @@ class HeadWays:
     """The one owner of what the head's calls measured, per size of call, and the way kept for it:
     its thread count, and whether the product is screened narrower (float16 row by row for fewer
     than BATCHED_ROWS; bfloat16 for more, fast where the CPU multiplies it natively, slow
-    elsewhere) or taken in float32. What
-    is fastest moves with the machine's load and with what waking a thread costs at the hour, so
-    the decision stands on each way's latest TRIALS timings, and the other ways are timed again now
-    and then (one call in REVISIT, in turn; models/trials.py)."""
+    elsewhere) or taken in float32. What is fastest moves with the machine's load and with what
+    waking a thread costs at the hour, so the decision stands on each way's latest TRIALS timings,
+    and the other ways are timed again now and then (one call in REVISIT, in turn;
+    models/trials.py)."""
 
     def __init__(self, threads: list[int]):
         self._threads = threads
