@@ -1,4 +1,5 @@
-"""A peer keeps one OpenMP pool: its one-token steps' (models/threads.py says why it matters)."""
+"""A peer keeps one OpenMP pool, its one-token steps', and a client one, its event loop's
+(models/threads.py says why it matters)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import uvloop
 from p2pfusion.client.generate.causal_lm import RemoteCausalLM
 from p2pfusion.dht.swarm import join_swarm
 from p2pfusion.models.threads import FreshThreads
+from tests.swarm import peers_in_background
 
 # Two peers of the default model on this process's main thread, its OS name set first: threads
 # it starts inherit the name, libgomp's workers too, and Python's own threads are left out. The
@@ -67,6 +69,51 @@ def test_serving_leaves_no_openmp_pool_beside_the_decode_threads(default_model):
     finally:
         peers.kill()
         peers.wait()
+
+
+# A client on its main thread, named as PEERS' is once its tokenizer has started its own native
+# threads, with two torch threads: its loop's pool holds one worker. It runs the first 15 layers itself and samples a quote, so that prompt lookup's
+# drafts stand and are judged by sampling; it prints the native threads named as the loop (pools'
+# workers) once the generation is over, and the swarm steps it took.
+CLIENT = """
+import asyncio, ctypes, os, sys, threading
+import torch
+torch.set_num_threads(2)
+import uvloop
+from p2pfusion.client.generate.causal_lm import RemoteCausalLM
+from p2pfusion.dht.swarm import join_swarm
+from p2pfusion.models.source import resolve_model
+
+def native_threads_of_the_loop():
+    python = {t.native_id for t in threading.enumerate()}
+    return sum(1 for t in os.listdir("/proc/self/task")
+               if int(t) not in python and open(f"/proc/self/task/{t}/comm").read().strip() == "client-loop")
+
+async def main():
+    swarm = await join_swarm(sys.argv[1:], client_mode=True)
+    model = RemoteCausalLM.build(resolve_model(None), swarm, local_layers=15)
+    quote = "The quick brown fox jumps over the lazy dog, and the dog sleeps on by the river bank."
+    ids = model.encode(f"Repeat this sentence exactly, and nothing else: {quote}", chat=True)
+    ctypes.CDLL(None).prctl(15, b"client-loop", 0, 0, 0)  # after the tokenizer's own native threads
+    out = await model.generate(ids, 20, temperature=0.05, seed=1, stop_at_eos=False)
+    await asyncio.sleep(0.5)  # the last job's thread ends
+    print(native_threads_of_the_loop(), out.steps, len(out.token_ids), flush=True)
+    await swarm.shutdown()
+
+uvloop.run(main())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and names threads with prctl")
+def test_a_client_keeps_one_openmp_pool_through_local_layers_and_sampled_drafts(default_model):
+    with peers_in_background(default_model, [(0, 15), (15, 30)]) as (_, maddrs, _):
+        done = subprocess.run([sys.executable, "-c", CLIENT, *maddrs], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    workers, steps, tokens = map(int, done.stdout.split())
+    assert steps < tokens  # drafts stood, so the sampled judge ran
+    # the local layers' decode steps, the sampled judge and the local prefill ran torch: only the
+    # loop's own pool, of one worker, may be left
+    assert workers <= 1
 
 
 def test_fresh_threads_run_each_job_on_a_thread_that_ends_with_it():

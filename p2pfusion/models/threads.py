@@ -10,7 +10,8 @@ decodes on). So a process keeps one long-lived thread for its latency-bound torc
 compute thread, a client's event loop), and runs the rest on threads that end with the job
 (`FreshThreads`, `in_fresh_thread`), taking their pools with them; small work on a thread that
 must make no pool runs on it alone (`one_thread`), and what it only fills, Python fills (a link
-probe's payload, net/probe.py). tests/test_openmp_pools.py checks a serving peer.
+probe's payload, net/probe.py). tests/test_openmp_pools.py checks a serving peer
+and a client.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 
 import torch
+
+# positions (batch x tokens) of a step small enough for the long-lived thread: a decode step and
+# its drafts; larger ones (prompts) run on a thread of their own
+SMALL_STEP_ROWS = 8
 
 
 class FreshThreads(Executor):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, ClassVar
 
@@ -53,6 +53,8 @@ from p2pfusion.net.seals import Echoed, digest, equivocators, seal_message, seal
 from p2pfusion.net.transport import Transport
 
 log = logging.getLogger(__name__)
+
+Offload = Callable[..., Awaitable]  # runs fn(*args) off the event loop: asyncio.to_thread, or a thread per job
 
 PROTOCOL = "p2pfusion.average.v3"
 CODECS = {"none": Codec.NONE, "float16": Codec.FLOAT16}
@@ -165,9 +167,12 @@ def _as_sent(tensor: torch.Tensor, codec: Codec) -> torch.Tensor:
 
 
 class GroupAverager:
-    def __init__(self, transport: Transport, namespace: str):
+    def __init__(self, transport: Transport, namespace: str, offload: Offload = asyncio.to_thread):
         self.transport = transport
         self.namespace = namespace  # the run's: two runs on one host never mix their rounds
+        # runs the round's torch work off the event loop; a serving peer passes a thread that ends
+        # with each job, so that its OpenMP pool does too (models/threads.py)
+        self._offload = offload
         self._rounds: dict[bytes, _Round] = {}
         self._ended: OrderedDict[bytes, None] = OrderedDict()
         self.wire_bytes = 0  # tensor bytes this peer sent in its rounds, as encoded: summed over members, each byte once
@@ -198,7 +203,7 @@ class GroupAverager:
             raise RequestError("averaging: this node has no identity to seal its tensors with")
         round_ = self._rounds.setdefault(group_id, _Round(group_id))
         round_.start(members, [t.shape for t in local], me)
-        seal = await asyncio.to_thread(self.seal, group_id, local)
+        seal = await self._offload(self.seal, group_id, local)
         try:
             async with asyncio.timeout(timeout):
                 await asyncio.gather(*(self._send(p, group_id, local, compression, seal) for p in round_.others))
@@ -212,7 +217,7 @@ class GroupAverager:
         two_faced = equivocators(round_.seals, round_.echoes, self.namespace, group_id)
         usable = [p for p in members if p == me or (round_.received[p] is not None and p not in two_faced)]
         flat = [torch.cat([t.reshape(-1) for t in (local if p == me else round_.received[p])]) for p in usable]
-        aggregate = await asyncio.to_thread(robust_mean, flat)
+        aggregate = await self._offload(robust_mean, flat)
         left_out = sorted(set(members) - set(usable)) + [usable[i] for i in aggregate.left_out]
         if two_faced:
             log.warning("averaging: left out %s, who sent different tensors to different members", ", ".join(sorted(two_faced)))
@@ -327,7 +332,7 @@ class GroupAverager:
                     sealed_by = sealer(part.proof, self.namespace, round_.group, part.digest)
                 except ProofError as exc:
                     raise RequestError(str(exc)) from None
-                if sealed_by != sender or part.digest != await asyncio.to_thread(digest, tensors):
+                if sealed_by != sender or part.digest != await self._offload(digest, tensors):
                     raise RequestError("the tensors' seal is not the sender's, or not of these tensors")
                 round_.deliver(sender, tensors, (part.digest, part.proof))
                 return

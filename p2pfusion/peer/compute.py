@@ -12,13 +12,13 @@ from collections.abc import Callable
 import torch
 
 from p2pfusion.models.formats import QUANTS
+from p2pfusion.models.threads import SMALL_STEP_ROWS
 from p2pfusion.peer.scheduler import Scheduler, Stats
 from p2pfusion.peer.session import Session, StepInputs
 from p2pfusion.peer.threads import DecodeSettings, DecodeThreads
 
 log = logging.getLogger(__name__)
 
-SMALL_STEP_ROWS = 8  # steps of at most this many positions (batch x tokens) run on `decode_threads`
 PREFILL_CHUNK = 256  # positions per chunk of a prefill when no other session waits on this peer
 SHARED_CHUNK_SECONDS = 0.05  # a chunk's compute while other sessions are open: what a step that runs alone may wait
 MIN_CHUNK = 8

@@ -15,6 +15,7 @@ from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.swarm import SwarmNode
 from p2pfusion.errors import ModelError, PeerFailed, RequestError
 from p2pfusion.models.stage import Stage
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net import messages as m
 from p2pfusion.net import run_messages as t
 from p2pfusion.net.averaging import Averaged, GroupAverager
@@ -42,7 +43,7 @@ class ReplicaService:
         self.transport = swarm.transport
         self.scheduler = scheduler
         self.charters = Charters(swarm, model, replica.run, driver)  # whom it obeys (peer/run_owner.py)
-        self.averager = GroupAverager(self.transport, t.averaging_namespace(model, replica.run))
+        self.averager = GroupAverager(self.transport, t.averaging_namespace(model, replica.run), in_fresh_thread)
         self._catching_up: asyncio.Task | None = None
 
     async def start(self) -> None:

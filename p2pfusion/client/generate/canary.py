@@ -39,6 +39,7 @@ from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.dht.records import FaultReport, PeerRecord
 from p2pfusion.dht.validation import MAX_FAULT_BYTES
 from p2pfusion.errors import ModelError, PeerFailed, RouteError
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net.receipts import MAX_CANARY_TOKENS, Evidence, Receipt, ReceiptCert
 from p2pfusion.net.wire import encode
 
@@ -164,7 +165,7 @@ class Canaries:
             await session.close()
         result = CanaryResult([r.peer_id for r in route], tokens, len(ids), receipts=receipts, certs=certs)
         sent = tokens[:-1]  # the last token chosen is never sent
-        states = await asyncio.to_thread(core.recomputer.states, sent, sorted({r.start for r in route} | {r.end for r in route}))
+        states = await in_fresh_thread(core.recomputer.states, sent, sorted({r.start for r in route} | {r.end for r in route}))
         if states is None:
             return result
         for i, hop in enumerate(route):
@@ -214,7 +215,7 @@ class Canaries:
             return core.head.get_input_embeddings()(torch.tensor([ids])).to(core.options.dtype)
 
     async def _choices(self, out: torch.Tensor) -> list[int]:
-        return (await asyncio.to_thread(self.core.greedy_tokens, out))[0].tolist()
+        return (await in_fresh_thread(self.core.greedy_tokens, out))[0].tolist()
 
     async def _report(
         self, result: CanaryResult, route: list[PeerRecord], receipts: list[Receipt], certs: dict[str, ReceiptCert],

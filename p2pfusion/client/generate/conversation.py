@@ -24,6 +24,7 @@ from p2pfusion.client.route.failover import ResilientSession
 from p2pfusion.client.route.planner import new_tokens_within
 from p2pfusion.client.tune.adapter import Adapter
 from p2pfusion.errors import RequestError, RouteError
+from p2pfusion.models.threads import in_fresh_thread
 from p2pfusion.net import messages as m
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ class Conversation:
                 embeds = torch.cat([soft.detach().to(model.core.options.dtype)[None], embeds], dim=1)
             # a draft model reads the prompt while the swarm does: its first drafts then cost a step
             drafter = self.drafter
-            warming = None if drafter is None else asyncio.ensure_future(asyncio.to_thread(drafter.warm, input_ids))
+            warming = None if drafter is None else asyncio.ensure_future(in_fresh_thread(drafter.warm, input_ids))
             try:
                 hidden = await self._step(embeds)
             finally:
@@ -236,7 +237,7 @@ class Conversation:
         model that drafts badly cost up to 8 % at 50 ms when each try began with that catch-up)."""
         if self.drafter is None or spec is None or not spec.explores_next():
             return None
-        return asyncio.ensure_future(asyncio.to_thread(self.drafter.warm, sequence))
+        return asyncio.ensure_future(in_fresh_thread(self.drafter.warm, sequence))
 
     async def _drafts(self, spec: Speculation, sequence: list[int], room: int) -> list[int]:
         """The drafts to send after `sequence`: the draft model's, if the client has one, else
@@ -244,7 +245,7 @@ class Conversation:
         if self.drafter is None:
             return spec.drafts(sequence, room)
         k = spec.size(min(room, MAX_DRAFTS))
-        return await asyncio.to_thread(self.drafter.propose, sequence, k) if k else []
+        return await in_fresh_thread(self.drafter.propose, sequence, k) if k else []
 
     async def _judge(
         self, drafts: list[int], hidden: torch.Tensor, temperature: float, generator: torch.Generator | None, top_p: float
@@ -258,7 +259,7 @@ class Conversation:
             accepted = accept_greedy(drafts, choices)
             after = choices[accepted]
         else:
-            probs = await asyncio.to_thread(model.distributions, hidden, temperature, top_p)
+            probs = await in_fresh_thread(model.distributions, hidden, temperature, top_p)
             accepted, after = accept_sampled(drafts, probs, generator)
         fell = len(drafts) - accepted
         if fell:

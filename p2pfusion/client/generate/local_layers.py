@@ -31,7 +31,7 @@ from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import RequestError, RouteError
 from p2pfusion.models.kv_cache import SessionCache
 from p2pfusion.models.stage import Stage, load_stage
-from p2pfusion.models.threads import in_fresh_thread
+from p2pfusion.models.threads import SMALL_STEP_ROWS, in_fresh_thread
 from p2pfusion.models.tuning import StageParams, stage_params
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,14 @@ class LocalRun:
             cache, inputs, offset = self.stage.new_cache(), torch.cat([*self._inputs, embeds], dim=1), 0
         else:
             inputs, offset = embeds, self.position
-        # a thread of its own: a long prompt's prefill here must not stall the other sessions'
-        # network, and its OpenMP pool must not outlive it (models/threads.py)
-        out = await in_fresh_thread(self.stage.forward, inputs, offset, cache, None, None, self.params)
+        args = (inputs, offset, cache, None, None, self.params)
+        if inputs.shape[0] * inputs.shape[1] <= SMALL_STEP_ROWS:
+            # a decode step runs on the loop's thread, as the head does: a thread of its own would
+            # make a new OpenMP pool every step (a third of a 3-layer step, docs/benchmarks.md)
+            out = self.stage.forward(*args)
+        else:
+            # a prompt's prefill must not stall the other sessions' network, nor its pool outlive it
+            out = await in_fresh_thread(self.stage.forward, *args)
         self._cache = cache
         self._inputs.append(embeds)
         return out[:, -embeds.shape[1]:].to(embeds.dtype)
