@@ -72,9 +72,10 @@ def test_serving_leaves_no_openmp_pool_beside_the_decode_threads(default_model):
 
 
 # A client on its main thread, named as PEERS' is once its tokenizer has started its own native
-# threads, with two torch threads: its loop's pool holds one worker. It runs the first 15 layers itself and samples a quote, so that prompt lookup's
-# drafts stand and are judged by sampling; it prints the native threads named as the loop (pools'
-# workers) once the generation is over, and the swarm steps it took.
+# threads, with two torch threads: its loop's pool holds one worker. It runs the first 15 layers
+# itself and samples a quote, so that prompt lookup's drafts stand and are judged by sampling; it
+# prints the native threads named as the loop (pools' workers) once the generation is over, and
+# the swarm steps it took.
 CLIENT = """
 import asyncio, ctypes, os, sys, threading
 import torch

@@ -10,8 +10,7 @@ decodes on). So a process keeps one long-lived thread for its latency-bound torc
 compute thread, a client's event loop), and runs the rest on threads that end with the job
 (`FreshThreads`, `in_fresh_thread`), taking their pools with them; small work on a thread that
 must make no pool runs on it alone (`one_thread`), and what it only fills, Python fills (a link
-probe's payload, net/probe.py). tests/test_openmp_pools.py checks a serving peer
-and a client.
+probe's payload, net/probe.py). tests/test_openmp_pools.py checks a serving peer and a client.
 """
 
 from __future__ import annotations
