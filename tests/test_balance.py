@@ -12,7 +12,7 @@ from p2pfusion.peer.balance import (
     Capacity, Placement, backup_stage, bottleneck, choose_model, closing_rank, choose_range, layer_replicas, layer_throughputs, place_peer,
     reclaim, unguarded_gap, with_peer, yields_to,
 )
-from p2pfusion.peer.rebalance import plan_move
+from p2pfusion.peer.rebalance import new_layers, plan_move
 from tests.policy_records import rec
 
 L = 12
@@ -118,6 +118,18 @@ def test_a_move_pays_only_if_the_reload_is_short_against_the_expected_stay():
     assert plan_move(records, L, me, tight, reload_seconds_per_layer=100.0, uptime=60.0) is None
     fast = plan_move(records, L, me, tight, reload_seconds_per_layer=0.1, uptime=600.0)
     assert fast is not None and not fast.overlap and 0 < fast.cost < fast.benefit
+
+
+def test_a_move_prices_only_the_layers_it_must_read():
+    # 3:7 moves to 6:10; its memory cannot hold both, so it stops serving while it loads, but it
+    # keeps layer 6: three layers to read, not four
+    records = [rec(3, 7, throughput=4.0, name="me", load=4.0), rec(7, 12), rec(4, 6, throughput=4.0), rec(0, 6, throughput=2.0)]
+    me = records[0]
+    move = plan_move(records, L, me, Capacity(me.compute_rate, None, max_layers=4), 1.0, 120.0)
+    assert (move.start, move.end, move.overlap) == (6, 10, False)
+    assert new_layers((3, 7), (6, 10)) == 3 and new_layers((0, 0), (6, 10)) == 4 and new_layers((5, 12), (6, 10)) == 0
+    lost = bottleneck(records, L) - bottleneck(records[1:], L) + me.load  # tokens/s while it reloads
+    assert move.cost == lost * 3 * 1.0
 
 
 def test_a_balanced_swarm_stays_put():

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from p2pfusion.models.stage import load_head, load_stage
+from p2pfusion.models.formats import WeightFormat, load_settings
+from p2pfusion.models.stage import load_config, load_head, load_stage
 from tests.conftest import TINY_CONFIGS, reference_model
 
 IDS = torch.tensor([[3, 17, 42, 99, 5, 250, 7, 1, 64, 128]])
@@ -45,6 +46,31 @@ def test_head_and_stages_give_local_logits_with_cache(tiny_models, family):
                 hidden = stage.forward(hidden, position, cache)
             expected = ref(IDS[:, : position + chunk.shape[1]]).logits[:, position:]
             torch.testing.assert_close(head(inputs_embeds=hidden).logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fmt", [WeightFormat.FLOAT32, WeightFormat.INT8])
+def test_a_stage_moved_over_shares_the_layers_it_kept_and_computes_as_one_read_afresh(tiny_models, fmt):
+    # a peer moving from 0:3 to 1:4 keeps layers 1 and 2 (peer/runtime.py `load`)
+    source = tiny_models["mistral"]  # sliding-window layers: each keeps its own kind of mask
+    dtype, quant = load_settings(fmt)
+    old = load_stage(source, 0, 3, dtype, quant=quant)
+    moved = load_stage(source, 1, 4, dtype, quant=quant, reuse=old)
+    for index in (1, 2):  # the same weights, not copies
+        ours, theirs = moved.module.layers[index - 1].named_parameters(), old.module.layers[index].named_parameters()
+        assert [(name, id(p)) for name, p in ours] == [(name, id(p)) for name, p in theirs]
+    torch.manual_seed(0)
+    hidden = torch.randn(1, 9, load_config(source).hidden_size)
+
+    def cached(stage):  # a prompt, then a step on its cache, as a session runs
+        cache = stage.new_cache()
+        return torch.cat([stage.forward(hidden[:, :8], 0, cache), stage.forward(hidden[:, 8:], 8, cache)], dim=1)
+
+    assert torch.equal(cached(moved), cached(load_stage(source, 1, 4, dtype, quant=quant)))
+    # the old stage, which serves its sessions until they end, keeps its own numbering
+    assert torch.equal(cached(old), cached(load_stage(source, 0, 3, dtype, quant=quant)))
+    # another format is read afresh
+    other = load_stage(source, 1, 4, torch.bfloat16, reuse=old)
+    assert not {id(p) for p in other.module.parameters()} & {id(p) for p in old.module.parameters()}
 
 
 @pytest.mark.slow

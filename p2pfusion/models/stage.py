@@ -305,11 +305,13 @@ def _frozen(module: nn.Module, device: str, dtype: torch.dtype | None) -> nn.Mod
 
 def load_stage(
     source: ModelSource, start: int, end: int, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    quant: WeightFormat | None = None,
+    quant: WeightFormat | None = None, reuse: Stage | None = None,
 ) -> Stage:
     """Layers [start, end) computing in `dtype`, their linear weights quantized to `quant` if given.
     Layers are read one at a time (a quantized one matrix by matrix), so loading never holds more
-    than one layer in a wider format than the stage keeps: in resident memory too (see `_read`)."""
+    than one layer in a wider format than the stage keeps: in resident memory too (see `_read`).
+    The layers that `reuse`, a stage of the same model in the same format, holds are shared with
+    it, not read again: a peer moving a few layers over loads only those (`reused`)."""
     config = load_config(source)
     total = config.num_hidden_layers
     if not 0 <= start < end <= total:
@@ -319,15 +321,21 @@ def load_stage(
         module = AutoModel.from_config(_without_vocab(sliced))
     module.embed_tokens = _Passthrough()
     module.norm = _Passthrough()
+    fmt = quant if quant is not None else weight_format(dtype, None)
+    kept = reused(reuse, start, end, fmt, dtype, torch.device(device))
+    for index, layer in kept.items():
+        module.layers[index - start] = layer
     files = _tensor_files(source.folder)
     by_layer: dict[int, dict[str, str]] = {}
     for key in files:
         if key.startswith(LAYER_PREFIX):
             index, rest = key[len(LAYER_PREFIX):].split(".", 1)
-            if start <= int(index) < end:
+            if start <= int(index) < end and int(index) not in kept:
                 by_layer.setdefault(int(index), {})[key] = rest
-    with _progress(end - start, f"layers {start}:{end}") as bar:
+    with _progress(end - start - len(kept), f"layers {start}:{end}") as bar:
         for index in range(start, end):
+            if index in kept:
+                continue
             layer, wanted = module.layers[index - start], by_layer.get(index, {})
             _check_complete(layer, wanted.values(), f"layer {index}")
             if quant is None:
@@ -336,8 +344,30 @@ def load_stage(
                 _load_quantized(layer, files, wanted, dtype, quant, device)
             bar.update()
     _frozen(module, device, dtype if quant is None else None)
-    fmt = quant if quant is not None else weight_format(dtype, None)
     return Stage(start, end, module, dtype, config.hidden_size, torch.device(device), batchable(sliced), fmt)
+
+
+def reused(
+    stage: Stage | None, start: int, end: int, fmt: WeightFormat, dtype: torch.dtype, device: torch.device,
+) -> dict[int, nn.Module]:
+    """The layers of [start, end) that `stage` holds in the same format, by index, each ready to sit
+    at its place in a stage starting at `start`: the same weights, in modules renumbered for that
+    stage's caches (the stage itself keeps serving its own sessions with its own numbering)."""
+    if stage is None or (stage.format, stage.dtype, stage.device) != (fmt, dtype, device):
+        return {}
+    shared = range(max(start, stage.start), min(end, stage.end))
+    return {index: _renumbered(stage.module.layers[index - stage.start], index - start) for index in shared}
+
+
+def _renumbered(module: nn.Module, index: int) -> nn.Module:
+    """`module` sharing its weights, hooks and state, with its own tree of submodules, in which
+    those that know their layer's place in the stage (attention, for its cache) know `index`."""
+    clone = copy.copy(module)
+    children = {name: None if child is None else _renumbered(child, index) for name, child in module._modules.items()}
+    object.__setattr__(clone, "_modules", children)
+    if "layer_idx" in vars(module):
+        object.__setattr__(clone, "layer_idx", index)
+    return clone
 
 
 def load_head(source: ModelSource, dtype: torch.dtype = torch.float32) -> nn.Module:

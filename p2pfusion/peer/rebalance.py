@@ -6,13 +6,14 @@ It rises by the move, or, where many layers share the bottleneck and no single m
 the move lifts some of them off it (the next move can then raise it). A move pays when that rise,
 over the time the peer is expected to stay once the reload is done, exceeds what is lost while it
 reloads: the swarm's throughput, and without overlap the traffic the peer carries now. The reload
-time is the peer's own: it records how long its last load took per layer. The expected stay
+time is the peer's own: it records how long its last load took per layer, and a move loads only
+the layers it does not hold already, so a shift of a few layers costs a few layers' reload. The expected stay
 follows the peer's uptime so far (a peer up for an hour is likely to stay a while; one that just
 came may leave soon), within bounds.
 
 Unlike a fixed-ratio rule, this never moves to the range the peer already serves, and it counts
-the loss only where the move leaves a gap: when memory holds both ranges, the peer loads the new
-range while the old one keeps serving.
+the loss only where the move leaves a gap: when memory holds both ranges (their shared layers
+once), the peer loads the new range while the old one keeps serving.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ def plan_move(
         rise = _evened(layers_now, layers_after, least)
         if rise <= 0:
             return None
-    overlap = me.span + (target[1] - target[0]) <= capacity.max_layers
-    reload = reload_seconds_per_layer * (target[1] - target[0])
+    fresh = new_layers((me.start, me.end), target)
+    overlap = me.span + fresh <= capacity.max_layers
+    reload = reload_seconds_per_layer * fresh
     during = now if overlap else bottleneck(others, num_layers)
     horizon = min(max(uptime, MIN_HORIZON), MAX_HORIZON)
     # the gain only starts once the new layers are loaded; a move that leaves a gap also stalls
@@ -83,6 +85,13 @@ def plan_move(
     if benefit <= cost:
         return None
     return Move(target[0], target[1], overlap, gain, benefit, cost)
+
+
+def new_layers(held: tuple[int, int], target: tuple[int, int]) -> int:
+    """How many of `target`'s layers a peer holding `held` must load: those it holds already it
+    keeps (models/stage.py `load_stage`, `reuse`)."""
+    shared = max(0, min(held[1], target[1]) - max(held[0], target[0]))
+    return target[1] - target[0] - shared
 
 
 def _evened(before: list[float], after: list[float], least: float) -> float:

@@ -38,6 +38,7 @@ from p2pfusion.peer.memory import (
     KV_RESERVE_TOKENS, default_budget, default_cache_memory, dequantized_temporaries, layers_that_fit, resident_bytes,
 )
 from p2pfusion.peer.metrics import Exporter, StageMetrics, serve_metrics
+from p2pfusion.peer.rebalance import new_layers
 from p2pfusion.peer.reports import ReportCheck
 from p2pfusion.peer.server import StageServer
 from p2pfusion.peer.run_service import ReplicaService, join_run
@@ -357,11 +358,18 @@ class Peer:
         return placement
 
     async def load(self, start: int, end: int):
-        log.info("loading layers %d:%d of %s", start, end, self.model)
+        """Layers [start, end), sharing those the stage served now holds: a move reads the others only."""
+        held = None if self.server is None else self.server.stage
+        fresh = new_layers((0, 0) if held is None else (held.start, held.end), (start, end))
+        kept = f" ({fresh} to read, the rest kept)" if fresh < end - start else ""
+        log.info("loading layers %d:%d of %s%s", start, end, self.model, kept)
         t0 = time.perf_counter()
         options = self.options
-        stage = await in_fresh_thread(load_stage, options.source, start, end, options.dtype, options.device, options.quant)
-        self.reload_seconds_per_layer = (time.perf_counter() - t0) / (end - start)
+        stage = await in_fresh_thread(
+            load_stage, options.source, start, end, options.dtype, options.device, options.quant, held,
+        )
+        if fresh:
+            self.reload_seconds_per_layer = (time.perf_counter() - t0) / fresh
         return stage
 
     async def announce(self, **changes) -> None:

@@ -10,7 +10,8 @@ The peers' timers are the peer's own (peer/runtime.py's options, peer/upkeep.py,
   gain, in `closing_rank` order); its record says where it goes (`moving_to`) while it loads;
 - every rebalance period, a backup takes up its stage if demand needs it, and a serving peer moves
   if the cost model says so.
-A move or a join takes RELOAD_SECONDS_PER_LAYER per layer. What the swarm carries is its weakest
+A join takes RELOAD_SECONDS_PER_LAYER per layer, and a move as long per layer it did not hold
+(a peer keeps the layers its old and new ranges share). What the swarm carries is its weakest
 layer's throughput, summed over the live peers that have loaded and serve it (the maximum flow,
 sim/optimum.py); `Timeline.gaps` times every stretch in which some layer had no live serving peer
 while the live fleet's memory could hold the model.
@@ -29,7 +30,7 @@ from p2pfusion.dht.records import PeerState
 from p2pfusion.dht.validation import RECORD_TTL
 from p2pfusion.peer.backup import PROMOTION_STAGGER, promotion_rank, replaced, stage_servers
 from p2pfusion.peer.balance import closing_rank, place_peer, unguarded_gap
-from p2pfusion.peer.rebalance import plan_move
+from p2pfusion.peer.rebalance import new_layers, plan_move
 from p2pfusion.peer.runtime import PeerOptions
 from p2pfusion.peer.upkeep import GAP_STAGGER
 from p2pfusion.sim.fleet import Volunteer
@@ -126,9 +127,10 @@ class Timeline:
         self._load(me.peer_id, (placement.start, placement.end), online=not placement.backup)
         self._timers(me.peer_id)
 
-    def _load(self, peer_id: str, target: tuple[int, int], online: bool) -> None:
+    def _load(self, peer_id: str, target: tuple[int, int], online: bool, held: tuple[int, int] = (0, 0)) -> None:
+        """`held`: the layers the peer holds already, which it keeps."""
         self.busy.add(peer_id)
-        self._at(self.now + RELOAD_SECONDS_PER_LAYER * (target[1] - target[0]), self._loaded, peer_id, target, online)
+        self._at(self.now + RELOAD_SECONDS_PER_LAYER * new_layers(held, target), self._loaded, peer_id, target, online)
 
     def _loaded(self, peer_id: str, target: tuple[int, int], online: bool) -> None:
         if peer_id not in self.alive:
@@ -210,13 +212,13 @@ class Timeline:
                          RELOAD_SECONDS_PER_LAYER, self.now - self.joined[peer_id], min_gain, self.swarm.near(me))
         if move is None:
             return
-        target = (move.start, move.end)
+        target, held = (move.start, move.end), (record.start, record.end)
         if move.overlap:
             self.swarm.announce_move(peer_id, target)
         else:
             self.swarm.put(me, *target, PeerState.JOINING)
             self.serving.pop(peer_id, None)
-        self._load(peer_id, target, online=True)
+        self._load(peer_id, target, online=True, held=held)
 
     # --- coverage
 
