@@ -20,6 +20,7 @@ the attack's wall time (1 core = 100%), and the answers the attacker got. The at
 run in this process, on the same 2 cores as the swarm and the API.
 
 Usage: python scripts/bench_api_attacks.py [--attacks body-40mib,stream-flood,...] [--chats N] [--requests-per-user N]
+       [--peer-args "--decode-threads 1"]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import collections
 import json
 import os
 import re
+import shlex
 import socket
 import statistics
 import subprocess
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--attacks", default=",".join(ATTACKS))
     parser.add_argument("--chats", type=int, default=3, help="the user's chats per attack, and with no attack")
     parser.add_argument("--requests-per-user", help="the API's option of that name (default: its default)")
+    parser.add_argument("--peer-args", default="", help="run-peer arguments for both peers, e.g. --decode-threads 1")
     args = parser.parse_args()
     attacks = [a for a in args.attacks.split(",") if a]
     if set(attacks) - set(ATTACKS):
@@ -184,7 +187,7 @@ def main() -> None:
     print(machine_header(), flush=True)
     rows = []
     with LocalSwarm(model=None) as swarm:
-        swarm.start([(0, 15), (15, 30)])
+        swarm.start([(0, 15), (15, 30)], shlex.split(args.peer_args))
         per_user = [] if args.requests_per_user is None else ["--requests-per-user", args.requests_per_user]
         api, url = start_api(swarm, per_user)
         try:
