@@ -66,6 +66,11 @@ def test_a_stage_moved_over_shares_the_layers_it_kept_and_computes_as_one_read_a
         return torch.cat([stage.forward(hidden[:, :8], 0, cache), stage.forward(hidden[:, 8:], 8, cache)], dim=1)
 
     assert torch.equal(cached(moved), cached(load_stage(source, 1, 4, dtype, quant=quant)))
+    if fmt == WeightFormat.FLOAT32:  # and as transformers computes those layers
+        ref = reference_model(source)
+        with torch.no_grad():
+            states = ref(IDS, output_hidden_states=True).hidden_states  # the last after the final norm
+            torch.testing.assert_close(ref.model.norm(moved.forward(states[1], 0)), states[4], atol=1e-5, rtol=0)
     # the old stage, which serves its sessions until they end, keeps its own numbering
     assert torch.equal(cached(old), cached(load_stage(source, 0, 3, dtype, quant=quant)))
     # another format is read afresh

@@ -7,9 +7,9 @@ the move lifts some of them off it (the next move can then raise it). A move pay
 over the time the peer is expected to stay once the reload is done, exceeds what is lost while it
 reloads: the swarm's throughput, and without overlap the traffic the peer carries now. The reload
 time is the peer's own: it records how long its last load took per layer, and a move loads only
-the layers it does not hold already, so a shift of a few layers costs a few layers' reload. The expected stay
-follows the peer's uptime so far (a peer up for an hour is likely to stay a while; one that just
-came may leave soon), within bounds.
+the layers it does not hold already, so a shift of a few layers costs a few layers' reload. The
+expected stay follows the peer's uptime so far (a peer up for an hour is likely to stay a while;
+one that just came may leave soon), within bounds.
 
 Unlike a fixed-ratio rule, this never moves to the range the peer already serves, and it counts
 the loss only where the move leaves a gap: when memory holds both ranges (their shared layers
