@@ -163,8 +163,10 @@ def main() -> None:
             for seed, (result, seconds) in zip(bar, results_of(work, seeds, args.jobs)):
                 results.append(result)
                 search = "" if result.searched is None else f", a central search from there {result.searched:.3f}"
+                churn = "" if not result.churned else (
+                    f", over churn {statistics.mean(result.churned):.3f} (lowest {min(result.churned):.3f})")
                 bar.write(f"{name} seed {seed}: after joins {result.joined:.3f}, after rebalancing "
-                          f"{result.settled:.3f}{search} ({seconds:.0f} s)", file=sys.stderr)
+                          f"{result.settled:.3f}{search}{churn} ({seconds:.0f} s)", file=sys.stderr)
         joined = [r.joined for r in results]
         settled = [r.settled for r in results]
         settled_all += settled
