@@ -28,10 +28,11 @@ def namespaces_unavailable() -> str | None:
         return "making network namespaces needs root"
     if shutil.which("ip") is None:
         return "iproute2 (the `ip` command) is not installed"
-    probe = subprocess.run(["ip", "netns", "add", "p2pfprobe"], capture_output=True, text=True)
+    name = f"p2pfprobe{os.getpid()}"  # processes probing at once (test workers) must not collide
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"this kernel or sandbox refuses network namespaces: {probe.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", "p2pfprobe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
