@@ -6,11 +6,12 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from p2pfusion.dht.records import PeerState
+from p2pfusion.dht.coverage import with_span
+from p2pfusion.dht.records import PeerRecord, PeerState
 from p2pfusion.peer.backup import lost_servers, promotion_rank, replaced
 from p2pfusion.peer.balance import (
     Capacity, Placement, backup_stage, bottleneck, choose_model, closing_rank, choose_range, layer_replicas, layer_throughputs, place_peer,
-    reclaim, unguarded_gap, with_peer, yields_to,
+    reclaim, unguarded_gap, yields_to,
 )
 from p2pfusion.peer.rebalance import new_layers, plan_move
 from tests.policy_records import rec
@@ -20,6 +21,12 @@ spans = st.lists(
     st.tuples(st.integers(0, L - 1), st.integers(1, L), st.floats(0.5, 20.0)), min_size=0, max_size=7
 )
 capacities = st.builds(Capacity, st.floats(1.0, 200.0), st.none(), st.integers(1, L))
+
+
+def with_peer(records, peer_id, start, end, me):
+    """The records as they would be with this peer serving [start, end)."""
+    others = [r for r in records if r.peer_id != peer_id]
+    return others + [PeerRecord("", peer_id, [], start, end, PeerState.ONLINE, me.compute_rate, me.network_rate, "")]
 
 
 def records_of(raw):
@@ -291,3 +298,12 @@ def test_a_peer_offered_several_models_serves_the_one_the_swarm_needs_most():
     crowded = [rec(0, 4, throughput=5, name=f"d{i}") for i in range(3)]
     assert choose_model({"crowded": (crowded, 4), "full": (full, 4)}) == "full"  # then the fewest peers
     assert choose_model({"x": (full, 4), "y": (list(full), 4)}) == "x"  # the first listed on a tie
+
+
+@given(spans, st.integers(0, L - 1), st.integers(1, L), st.floats(0.5, 20.0))
+def test_with_span_sums_as_a_record_listed_last(raw, start, end, rate):
+    """A look sums the others once and adds the peer itself: the same floats, bit for bit."""
+    records = records_of(raw)
+    end = max(end, start + 1)
+    added = rec(start, end, throughput=rate, name="me")
+    assert with_span(layer_throughputs(records, L), start, end, added.throughput) == layer_throughputs([*records, added], L)

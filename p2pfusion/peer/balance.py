@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from p2pfusion.dht.coverage import layer_throughputs, planned
+from p2pfusion.dht.coverage import layer_throughputs, planned, with_span
 from p2pfusion.dht.records import PeerRecord, PeerState, span_throughput
 from p2pfusion.peer.geography import LocalTrips
 
@@ -95,12 +95,14 @@ def _candidates(totals: list[float], max_layers: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class _Scores:
-    """Each candidate's per-layer throughputs with it, sorted (leximin), and its rank: by those,
-    then how many of its ends meet others', then the earlier start, then its place in the list
-    (the first of equals wins). A claim prices thousands of ranges, so they are scored at once."""
+    """Each candidate's per-layer throughputs with it, sorted (leximin), how many of its ends meet
+    others', and its start. The best is the greatest by those, in that order, then by the earlier
+    start, then by its place in the list (the first of equals wins). A claim prices thousands of
+    ranges, so they are scored at once."""
 
     after: np.ndarray
-    rank: np.ndarray
+    aligned: np.ndarray
+    starts: np.ndarray
 
     @classmethod
     def of(cls, records: list[PeerRecord], totals: list[float], me: Capacity, ranges: np.ndarray) -> "_Scores":
@@ -112,27 +114,33 @@ class _Scores:
         after = np.sort(np.round(np.array(totals) + inside * added[:, None], PRECISION), axis=1)
         bounds = [0, num_layers, *(x for r in map(planned, records) if r.serving for x in (r.start, r.end))]
         aligned = np.isin(starts, bounds).astype(int) + np.isin(ends, bounds)
-        keys = (-np.arange(len(ranges)), -starts, aligned, *after.T[::-1])  # the last key is compared first
-        rank = np.empty(len(ranges), dtype=np.int64)
-        rank[np.lexsort(keys)] = np.arange(len(ranges))
-        return cls(after, rank)
+        return cls(after, aligned, starts)
 
     def best(self, among: np.ndarray | None = None) -> int:
-        among = np.arange(len(self.rank)) if among is None else among
-        return int(among[np.argmax(self.rank[among])])
+        # keep the candidates greatest by each key in turn rather than sorting them all: the
+        # weakest layer alone mostly leaves a handful, and a full sort was half a look's time
+        kept = np.arange(len(self.starts)) if among is None else np.sort(among)
+        for key in (*self.after.T, self.aligned, -self.starts):
+            values = key[kept]
+            kept = kept[values == values.max()]
+            if len(kept) == 1:
+                break
+        return int(kept[0])
 
 
 def choose_range(
-    records: list[PeerRecord], num_layers: int, me: Capacity, near: Mapping[str, float] | None = None
+    records: list[PeerRecord], num_layers: int, me: Capacity, near: Mapping[str, float] | None = None,
+    totals: list[float] | None = None,
 ) -> tuple[int, int]:
     """The contiguous range that most raises the per-layer throughputs (leximin: the bottleneck,
     what the swarm carries, first). Given `near` (this peer's round trips to other peers, by peer
     id), the range that puts it on the shortest route for a client beside it (peer/geography.py)
     wins over the best if its sorted throughputs come within GEO_SLACK of the best's, each to
-    each: it serves every layer, and leaves no stage weaker for the peers that join later."""
+    each: it serves every layer, and leaves no stage weaker for the peers that join later.
+    `totals`: the records' `layer_throughputs`, when the caller has summed them already."""
     if num_layers < 1 or me.max_layers < 1:
         raise ValueError("num_layers and max_layers must be positive")
-    totals = layer_throughputs(records, num_layers)
+    totals = layer_throughputs(records, num_layers) if totals is None else totals
     ranges = _candidates(totals, min(me.max_layers, num_layers))
     scores = _Scores.of(records, totals, me, ranges)
     best = scores.best()
@@ -143,15 +151,9 @@ def choose_range(
     return int(ranges[best, 0]), int(ranges[best, 1])
 
 
-def with_peer(records: list[PeerRecord], peer_id: str, start: int, end: int, me: Capacity) -> list[PeerRecord]:
-    """The records as they would be with this peer serving [start, end)."""
-    others = [r for r in records if r.peer_id != peer_id]
-    return others + [PeerRecord("", peer_id, [], start, end, PeerState.ONLINE, me.compute_rate, me.network_rate, "")]
-
-
-def utilization(records: list[PeerRecord], num_layers: int) -> float:
-    """The busiest layer's demand over its capacity (0 for an idle swarm)."""
-    totals = layer_throughputs(records, num_layers)
+def utilization(records: list[PeerRecord], num_layers: int, totals: list[float] | None = None) -> float:
+    """The busiest layer's demand over its capacity (0 for an idle swarm). `totals` as in `choose_range`."""
+    totals = layer_throughputs(records, num_layers) if totals is None else totals
     demand = [0.0] * num_layers
     for r in map(planned, records):
         if r.serving:
@@ -215,12 +217,13 @@ def place_peer(
     capacity.
     """
     others = [r for r in records if r.peer_id != peer_id]
-    start, end = choose_range(others, num_layers, me, near)
-    before = bottleneck(others, num_layers)
+    totals = layer_throughputs(others, num_layers)
+    start, end = choose_range(others, num_layers, me, near, totals)
+    before = min(totals)
     if before <= 0:
         return Placement(start, end)
-    gain = bottleneck(with_peer(others, peer_id, start, end, me), num_layers) / before - 1
-    if gain >= policy.min_gain or utilization(others, num_layers) >= policy.busy:
+    gain = min(with_span(totals, start, end, me.throughput(end - start))) / before - 1
+    if gain >= policy.min_gain or utilization(others, num_layers, totals) >= policy.busy:
         return Placement(start, end)
     stage = stage_most_at_risk(others, num_layers, me.max_layers)
     return Placement(*stage, backup=True) if stage is not None else Placement(start, end)

@@ -32,7 +32,8 @@ class LocalTrips:
         self.num_layers = num_layers
         self.near = near
         self.typical = statistics.median(near.values())
-        stops = [r for r in map(planned, records) if r.serving and r.peer_id in near and r.end <= num_layers]
+        measured = [planned(r) for r in records if r.peer_id in near]  # a dozen of maybe a thousand
+        stops = [r for r in measured if r.serving and r.end <= num_layers]
         self.ranges = {r.peer_id: (r.start, r.end) for r in stops}
         self.by_id = {r.peer_id: r for r in stops}
         order = sorted(self.ranges, key=self.ranges.__getitem__)

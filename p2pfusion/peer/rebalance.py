@@ -22,8 +22,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from p2pfusion.dht.coverage import planned, with_span
 from p2pfusion.dht.records import PeerRecord
-from p2pfusion.peer.balance import Capacity, bottleneck, choose_range, layer_throughputs, with_peer
+from p2pfusion.peer.balance import Capacity, choose_range, layer_throughputs
 
 MIN_HORIZON = 60.0
 MAX_HORIZON = 3600.0
@@ -53,12 +54,15 @@ def plan_move(
     weakest layers while the bottleneck stays (`_evened`), as a share of what this peer carries.
     `near`: this peer's round trips to others (balance.choose_range)."""
     others = [r for r in records if r.peer_id != me.peer_id]
-    target = choose_range(others, num_layers, capacity, near)
+    # the others' records are summed once, then this peer added where it is and where it would be:
+    # a peer in a swarm of 1,000 looks every few minutes, and the sums were most of a look's time
+    base = layer_throughputs(others, num_layers)
+    target = choose_range(others, num_layers, capacity, near, base)
     if target == (me.start, me.end):
         return None
-    moved = with_peer(others, me.peer_id, *target, capacity)
-    # each layer's throughput now and after the move, summed once: a large swarm has many records
-    layers_now, layers_after = layer_throughputs(others + [me], num_layers), layer_throughputs(moved, num_layers)
+    current = planned(me)
+    layers_now = with_span(base, current.start, current.end, current.throughput) if current.serving else base
+    layers_after = with_span(base, *target, capacity.throughput(target[1] - target[0]))
     if _served(layers_after) < _served(layers_now):
         return None  # it would leave a layer nobody serves
     now, after = min(layers_now), min(layers_after)
@@ -76,7 +80,7 @@ def plan_move(
     fresh = new_layers((me.start, me.end), target)
     overlap = me.span + fresh <= capacity.max_layers
     reload = reload_seconds_per_layer * fresh
-    during = now if overlap else bottleneck(others, num_layers)
+    during = now if overlap else min(base)
     horizon = min(max(uptime, MIN_HORIZON), MAX_HORIZON)
     # the gain only starts once the new layers are loaded; a move that leaves a gap also stalls
     # the traffic this peer carries now, until its clients have moved
