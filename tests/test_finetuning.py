@@ -183,6 +183,45 @@ def test_a_backward_pass_uses_the_parameters_of_its_forward(tiny_models):
             model.close()
 
 
+def test_a_backward_pass_that_gives_nan_is_computed_again_and_one_that_always_does_is_refused(tiny_models):
+    """The middle peer's first backward pass gives NaN (a compute fault: the inputs were finite):
+    it computes the pass again, and the client's gradients are local autograd's. A pass that gives
+    NaN every time is refused with an error that names the layers."""
+    source = tiny_models["llama"]
+    with peers_in_background(source, RANGES) as (peers, _maddrs, _):
+        stage = peers[1].server.stage
+        backward, calls = stage.backward, []
+
+        def faulty(graph, grad_output):
+            grad_in, params = backward(graph, grad_output)
+            calls.append(len(params))
+            if len(calls) == 1 or always.is_set():
+                params = [torch.full_like(p, float("nan")) for p in params]
+            return grad_in, params
+
+        always = threading.Event()
+        stage.backward = faulty
+        model = AutoDistributedModelForCausalLM.from_pretrained(
+            str(source.folder), initial_peers=_maddrs, tuning="lora", lora_rank=2, compression="none"
+        )
+        try:
+            randomize(model.adapter)
+            reference = LocalReference(source, model.adapter)
+            out = model(IDS, attention_mask=MASK, labels=LABELS)
+            out.loss.backward()
+            expected = reference(IDS, attention_mask=MASK, labels=LABELS)
+            expected.loss.backward()
+            assert_same_step(model, out, reference, expected)
+            assert calls == [4, 4]  # layer 2's q_proj and v_proj, A and B: computed twice
+
+            always.set()
+            out = model(IDS, attention_mask=MASK, labels=LABELS)
+            with pytest.raises(RequestError, match=r"backward: layers 2:3 compute NaN or infinity from this step's inputs"):
+                out.loss.backward()
+        finally:
+            model.close()
+
+
 def test_a_large_batch_goes_in_chunks_with_the_same_gradients(tiny_models):
     """130 sequences of 128 tokens exceed one step's 8192 tokens: they go as 3 chunks, whose
     gradients add up to the whole batch's."""

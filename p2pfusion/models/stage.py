@@ -126,6 +126,11 @@ class Stage:
         return self.views[end]
 
     @property
+    def trains_weights(self) -> bool:
+        """A training replica's: its backward passes add its weights' gradients to their `.grad`."""
+        return any(p.requires_grad for p in self.module.parameters())
+
+    @property
     def quantized_on_cpu(self) -> bool:
         """Its forwards dequantize weights into temporaries that the C heap keeps (see `trim_heap`)."""
         return self.format in QUANTS and self.device.type == "cpu"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from p2pfusion.errors import RequestError
 from p2pfusion.models.formats import QUANTS
 from p2pfusion.models.threads import SMALL_STEP_ROWS
 from p2pfusion.peer.scheduler import Scheduler, Stats
@@ -232,10 +233,29 @@ class StageCompute:
         return inputs.graph.output.detach().cpu()
 
     def _backward(self, session: Session, inputs: StepInputs, grad: torch.Tensor):
+        """The step's gradients. Its inputs, parameters and output gradient were checked finite, so
+        NaN or infinity here is an overflow, which the same inputs give again, or a fault of this
+        machine's compute (a race, a flaky card), which they need not: an adapter's step is
+        computed once more from the kept inputs before its gradients are refused. A replica's
+        weights have already added the bad ones to their `.grad`: its replica refuses that step."""
         self._threads_for(inputs.hidden.shape[0] * inputs.hidden.shape[1])
         stage = session.stage
         graph = inputs.graph or stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.params)
-        return stage.backward(graph, grad)
+        grad_in, params = stage.backward(graph, grad)
+        if _finite(grad_in, params) or stage.trains_weights:
+            return grad_in, params
+        log.warning("a backward pass on layers %d:%d gave NaN or infinity from finite inputs; computing it again",
+                    stage.start, stage.end)
+        graph = stage.forward_for_backward(inputs.hidden, inputs.mask, inputs.positions, inputs.params)
+        grad_in, params = stage.backward(graph, grad)
+        if not _finite(grad_in, params):
+            raise RequestError(f"backward: layers {stage.start}:{stage.end} compute NaN or infinity from this step's inputs")
+        log.warning("the backward pass on layers %d:%d, computed again, is finite", stage.start, stage.end)
+        return grad_in, params
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
+
+
+def _finite(grad_in: torch.Tensor, params: list[torch.Tensor]) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in (grad_in, *params))
