@@ -183,12 +183,29 @@ def test_a_backward_pass_uses_the_parameters_of_its_forward(tiny_models):
             model.close()
 
 
+def _lora_model(source, maddrs):
+    # gradients compared to 1e-4 travel raw (`auto` may pick a lossy codec on a busy machine's links)
+    return AutoDistributedModelForCausalLM.from_pretrained(
+        str(source.folder), initial_peers=maddrs, tuning="lora", lora_rank=2, compression="none"
+    )
+
+
+def _step_matches_local(model, source) -> None:
+    randomize(model.adapter)
+    reference = LocalReference(source, model.adapter)
+    out = model(IDS, attention_mask=MASK, labels=LABELS)
+    out.loss.backward()
+    expected = reference(IDS, attention_mask=MASK, labels=LABELS)
+    expected.loss.backward()
+    assert_same_step(model, out, reference, expected)
+
+
 def test_a_backward_pass_that_gives_nan_is_computed_again_and_one_that_always_does_is_refused(tiny_models):
     """The middle peer's first backward pass gives NaN (a compute fault: the inputs were finite):
     it computes the pass again, and the client's gradients are local autograd's. A pass that gives
     NaN every time is refused with an error that names the layers."""
     source = tiny_models["llama"]
-    with peers_in_background(source, RANGES) as (peers, _maddrs, _):
+    with peers_in_background(source, RANGES) as (peers, maddrs, _):
         stage = peers[1].server.stage
         backward, calls = stage.backward, []
 
@@ -201,23 +218,47 @@ def test_a_backward_pass_that_gives_nan_is_computed_again_and_one_that_always_do
 
         always = threading.Event()
         stage.backward = faulty
-        model = AutoDistributedModelForCausalLM.from_pretrained(
-            str(source.folder), initial_peers=_maddrs, tuning="lora", lora_rank=2, compression="none"
-        )
+        model = _lora_model(source, maddrs)
         try:
-            randomize(model.adapter)
-            reference = LocalReference(source, model.adapter)
-            out = model(IDS, attention_mask=MASK, labels=LABELS)
-            out.loss.backward()
-            expected = reference(IDS, attention_mask=MASK, labels=LABELS)
-            expected.loss.backward()
-            assert_same_step(model, out, reference, expected)
+            _step_matches_local(model, source)
             assert calls == [4, 4]  # layer 2's q_proj and v_proj, A and B: computed twice
 
             always.set()
             out = model(IDS, attention_mask=MASK, labels=LABELS)
             with pytest.raises(RequestError, match=r"backward: layers 2:3 compute NaN or infinity from this step's inputs"):
                 out.loss.backward()
+        finally:
+            model.close()
+
+
+@pytest.mark.parametrize("sent", ["adapter", "input"])
+def test_a_peer_that_sends_nan_gradients_is_routed_around(tiny_models, sent):
+    """One of two peers of some layers sends NaN gradients once (its adapter's, of layers 2:3; or
+    its input's, of layers 0:2), as a lying or broken peer would past its own check: the client
+    blames that peer, and the step's forward and backward are computed again through the other,
+    with local autograd's gradients."""
+    source = tiny_models["llama"]
+    twin = 1 if sent == "adapter" else 0
+    with peers_in_background(source, [*RANGES, RANGES[twin]]) as (peers, maddrs, _):
+        calls = []
+
+        def lying(index, backward):
+            async def wrapped(session, inputs, grad):
+                (grad_in, params), seconds = await backward(session, inputs, grad)
+                calls.append(index)
+                if len(calls) == 1 and sent == "adapter":
+                    params = [torch.full_like(p, float("nan")) for p in params]
+                elif len(calls) == 1:
+                    grad_in = torch.full_like(grad_in, float("inf"))
+                return (grad_in, params), seconds
+            return wrapped
+
+        for index in (twin, 3):
+            peers[index].server.compute.backward = lying(index, peers[index].server.compute.backward)
+        model = _lora_model(source, maddrs)
+        try:
+            _step_matches_local(model, source)
+            assert len(calls) == 2 and calls[0] != calls[1], calls
         finally:
             model.close()
 

@@ -22,6 +22,7 @@ from p2pfusion.client.route.pings import Answer, ping
 from p2pfusion.client.route.claims import FalseClaim, Stream, admitted, blamed, claim_subject, needs_ping
 from p2pfusion.dht.records import PeerRecord
 from p2pfusion.errors import PeerFailed, RequestError
+from p2pfusion.models.tuning import layer_of
 from p2pfusion.net import messages as m
 from p2pfusion.net.codecs import pack
 from p2pfusion.client.route.params import SessionParams
@@ -334,6 +335,9 @@ class RouteSession:
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The gradients of the step's input and of the session's parameters."""
         grad_input = await self._reply(m.Backward, timeout, step)
+        if not bool(torch.isfinite(grad_input).all()):  # the first hop computed it from a gradient it checked
+            first = self.route[0].peer_id
+            raise PeerFailed(f"peer {first} sent an input gradient with NaN or infinity for step {step}", first)
         self._timed(step)
         return grad_input, self._param_grads.pop(step, {})
 
@@ -384,8 +388,21 @@ class RouteSession:
         self._raise(reply)
 
     def _take_param_grads(self, reply: m.ParamGrads, tensor: torch.Tensor) -> None:
-        values = unflatten(tensor, [shape for _, shape in reply.entries])
+        try:
+            values = unflatten(tensor, [shape for _, shape in reply.entries])
+        except RequestError as exc:  # hops relay them unchecked: the one with those layers is to blame
+            sender = self._hop_with(reply.entries[0][0] if reply.entries else "")
+            raise PeerFailed(f"peer {sender} sent bad adapter gradients for step {reply.step}: {exc}", sender) from None
         self._param_grads.setdefault(reply.step, {}).update(zip([name for name, _ in reply.entries], values))
+
+    def _hop_with(self, name: str) -> str:
+        """The peer on this route that computes parameter `name`'s layer (the first hop if none)."""
+        try:
+            layer = layer_of(name)
+        except RequestError:
+            return self.route[0].peer_id
+        hops = [r for r in self.route if r.start <= layer]  # in route order: the last one reaches it
+        return (hops[-1] if hops else self.route[0]).peer_id
 
     def _take_output(self, reply: m.Result | m.Backward, tensor: torch.Tensor) -> None:
         self._early[(reply.kind, reply.step)] = tensor
