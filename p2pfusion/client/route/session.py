@@ -401,8 +401,7 @@ class RouteSession:
             layer = layer_of(name)
         except RequestError:
             return self.route[0].peer_id
-        hops = [r for r in self.route if r.start <= layer]  # in route order: the last one reaches it
-        return (hops[-1] if hops else self.route[0]).peer_id
+        return next((r for r in self.route if r.start <= layer < r.end), self.route[0]).peer_id
 
     def _take_output(self, reply: m.Result | m.Backward, tensor: torch.Tensor) -> None:
         self._early[(reply.kind, reply.step)] = tensor
